@@ -1,0 +1,24 @@
+# The README's two commands. Both create the environment first (idempotent).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.eagle3-env-ready
+RUN_DIR ?= runs/demo
+
+.PHONY: demo test env clean-env
+
+demo: $(STAMP)
+	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+
+env: $(STAMP)
+
+# The stamp records the inputs of the environment; editing them rebuilds it.
+$(STAMP): pyproject.toml scripts/setup-env.sh
+	PY=$(PY) VENV=$(VENV) bash scripts/setup-env.sh
+	touch $(STAMP)
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,107 @@
+"""Stage artifacts: content-addressed directories that are either whole or absent.
+
+Every stage writes into `<artifact_root>/<stage>/<fingerprint>/`. A directory counts as
+an artifact only when its completion marker (`.eagle3-complete.json`, written last) is
+there and every file it lists still has the recorded size. Anything else (a deleted
+file, a truncated one, a half-built directory left by a killed run) is not an artifact
+and the stage builds it again.
+
+Stages that can build in one go use `building()`: they write into a temporary sibling
+directory that is renamed into place only when complete, so a failure leaves nothing
+under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MARKER = ".eagle3-complete.json"
+
+Stat = int | float | str
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """What a stage hands to the next: where its artifact is, its fingerprint, a few stats."""
+
+    stage: str
+    uri: str
+    fingerprint: str
+    stats: dict[str, Stat] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.uri)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def artifact_dir(root: Path, stage: str, fp: str) -> Path:
+    return Path(root) / stage / fp
+
+
+def _listing(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
+
+
+def mark_complete(directory: Path, record: StageRecord) -> StageRecord:
+    """Write the completion marker (last step of building an artifact)."""
+    marker = {"record": record.to_dict(), "files": _listing(directory)}
+    tmp = directory / f".{MARKER}.tmp"
+    tmp.write_text(json.dumps(marker, indent=1))
+    os.replace(tmp, directory / MARKER)
+    return record
+
+
+def read_complete(directory: Path) -> StageRecord | None:
+    """The record of a whole artifact at `directory`, or None when it is absent or damaged."""
+    path = Path(directory) / MARKER
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+        files: dict[str, int] = marker["files"]
+        raw = marker["record"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+    for name, size in files.items():
+        file = directory / name
+        if not file.is_file() or file.stat().st_size != size:
+            return None
+    return StageRecord(stage=raw["stage"], uri=str(directory), fingerprint=raw["fingerprint"], stats=raw["stats"])
+
+
+@contextlib.contextmanager
+def building(final: Path) -> Iterator[Path]:
+    """Yield a temporary directory; on success rename it to `final`, on failure delete it."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)  # a damaged earlier attempt (read_complete said no)
+    os.replace(tmp, final)
+
+
+def remove_stale_builds(parent: Path) -> None:
+    """Delete `.X.building-PID` leftovers of killed runs under `parent`."""
+    if parent.is_dir():
+        for tmp in parent.glob(".*.building-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
