@@ -18,29 +18,34 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
 
 MARKER = ".eagle3-complete.json"
 
 Stat = int | float | str
 
 
-@dataclass(frozen=True)
-class StageRecord:
-    """What a stage hands to the next: where its artifact is, its fingerprint, a few stats."""
+class StageRecord(BaseModel):
+    """What a stage hands to the next: where its artifact is, its fingerprint, a few stats.
 
-    stage: str
-    uri: str
-    fingerprint: str
-    stats: dict[str, Stat] = field(default_factory=dict)
+    A pydantic model so that Prefect persists it as JSON (never a pickle).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str = Field(description="Stage that wrote the artifact")
+    uri: str = Field(description="Artifact folder")
+    fingerprint: str = Field(description="Content fingerprint: inputs + settings + stage version")
+    stats: dict[str, Stat] = Field(default_factory=dict, description="A few figures about the artifact")
 
     @property
     def path(self) -> Path:
         return Path(self.uri)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return self.model_dump(mode="json")
 
 
 def artifact_dir(root: Path, stage: str, fp: str) -> Path:

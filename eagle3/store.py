@@ -182,6 +182,10 @@ class StoreWriter:
         self._write_manifest()
         return entry
 
+    def finish(self) -> None:
+        """(Re)write the manifest; an empty store (no shards) is complete once finished."""
+        self._write_manifest()
+
     def _write_manifest(self) -> None:
         shards = []
         for i in range(len(self.expected)):

@@ -1,0 +1,155 @@
+"""PipelineConfig: every setting of a run, one typed section per stage, and the presets.
+
+Presets: `tiny` (a tiny random Llama built locally; every stage in seconds; for tests)
+and `demo` (the embedded default: SmolLM2-135M-Instruct and chatterbot-corpus prompts).
+A YAML file or `--set section.key=value` overrides go on top of a preset; unknown keys
+and wrong types are errors that name the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from eagle3.data import DataConfig
+from eagle3.evaluate import EvalConfig
+from eagle3.extract import ExtractConfig
+from eagle3.gpu import GpuCleanupConfig
+from eagle3.regenerate import RegenerateConfig
+from eagle3.target import TargetConfig
+from eagle3.train import TrainConfig
+from eagle3.vocab import VocabConfig
+
+PresetName = Literal["tiny", "demo"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+class PipelineConfig(BaseModel):
+    """All settings of one train_eagle3 run. Shown as a form in the Prefect UI."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_dir: str = Field(default="runs/demo", description="Folder of this run: summary.json, logs, plots, artifacts")
+    artifact_root: str | None = Field(
+        default=None, description="Where stage artifacts and cached results live (default: <run_dir>/artifacts)"
+    )
+    cache_dir: str | None = Field(
+        default=None,
+        description="Where builtin targets are built once and reused (default: $EAGLE3_CACHE_DIR or ~/.cache/eagle3-pipeline)",
+    )
+    gpu: GpuCleanupConfig = Field(default_factory=GpuCleanupConfig, description="gpu_cleanup stage")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="stage_target: the model to draft for")
+    data: DataConfig = Field(default_factory=DataConfig, description="prepare_data: conversations and tokenization")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="regenerate: target-written answers")
+    extract: ExtractConfig = Field(default_factory=ExtractConfig, description="extract: hidden-state capture")
+    vocab: VocabConfig = Field(default_factory=VocabConfig, description="vocab: draft vocabulary mapping")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="train: the EAGLE-3 head")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluate: acceptance length")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> PipelineConfig:
+        if self.data.max_tokens > self.target.max_model_len:
+            raise ValueError(
+                f"data.max_tokens={self.data.max_tokens} exceeds target.max_model_len={self.target.max_model_len}; "
+                "lower data.max_tokens or raise target.max_model_len"
+            )
+        return self
+
+    @property
+    def artifacts(self) -> Path:
+        return Path(self.artifact_root) if self.artifact_root else Path(self.run_dir) / "artifacts"
+
+    @property
+    def builtin_cache(self) -> Path:
+        from eagle3.targets import default_cache_dir
+
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+
+PRESETS: dict[str, dict[str, object]] = {
+    "tiny": {
+        "run_dir": "runs/tiny",
+        "target": {"model": "builtin:tiny", "max_model_len": 256, "dtype": "float32"},
+        "data": {"max_samples": 48, "max_tokens": 96, "heldout_fraction": 0.2},
+        "regenerate": {"max_new_tokens": 24},
+        "extract": {"samples_per_shard": 8},
+        "vocab": {"draft_vocab_size": 256},
+        "train": {"steps": 30, "checkpoint_every": 10, "batch_tokens": 256, "warmup_steps": 3},
+        "eval": {"num_draft_tokens": 3},
+    },
+    "demo": {
+        "run_dir": "runs/demo",
+        "target": {"model": "builtin:smollm2", "max_model_len": 512, "dtype": "bfloat16"},
+        "data": {"max_samples": 320, "max_tokens": 256, "heldout_fraction": 0.1},
+        "regenerate": {"max_new_tokens": 96},
+        "extract": {"samples_per_shard": 32},
+        "vocab": {"draft_vocab_size": 4096},
+        "train": {"steps": 240, "checkpoint_every": 40, "batch_tokens": 2048, "warmup_steps": 20, "learning_rate": 1e-3},
+        "eval": {"num_draft_tokens": 3},
+    },
+}
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def parse_set(assignments: list[str]) -> dict:
+    """['train.steps=5', 'target.model=/x'] -> nested dict; values parsed as YAML scalars."""
+    out: dict = {}
+    for item in assignments:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
+        key, raw = item.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+    return out
+
+
+def build_config(preset: str | None = None, config_file: Path | None = None, overrides: list[str] | None = None, run_dir: str | None = None) -> PipelineConfig:
+    """Preset, then YAML file, then --set overrides, then --run-dir; validated once at the end."""
+    raw: dict = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
+        raw = _merge(raw, PRESETS[preset])
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
+        raw = _merge(raw, loaded)
+    raw = _merge(raw, parse_set(overrides or []))
+    if run_dir is not None:
+        raw["run_dir"] = run_dir
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per problem: 'train.steps: Input should be ... (got 'x')'."""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(config)"
+        message = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            message = "unknown setting (check the spelling; README lists every setting)"
+        got = f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""
+        lines.append(f"{field}: {message}{got}")
+    return "invalid configuration: " + "; ".join(lines)

@@ -1,0 +1,176 @@
+"""Conversations in, token ids + assistant-only loss masks out.
+
+Sources:
+- `builtin:chatterbot`: the English conversations of the `chatterbot-corpus` package
+  (BSD-3), read from the installed package at run time; each conversation becomes
+  user/assistant turns.
+- a path to a JSONL file: one conversation per line, `{"id": str, "messages":
+  [{"role": "system"|"user"|"assistant", "content": str}, ...]}`.
+
+Preparation applies the tokenizer's chat template, marks the tokens of assistant turns
+(content and end-of-turn token, not the role header) as the ones to learn, truncates to
+`max_tokens`, drops samples with no assistant token left, and splits off a held-out set
+by a hash of the sample id (so the split does not move when samples are added).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["system", "user", "assistant"]
+BUILTIN_CHATTERBOT = "builtin:chatterbot"
+
+
+class DataError(ValueError):
+    """The dataset cannot be used; the message names the file/line and the setting."""
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(
+        default=BUILTIN_CHATTERBOT,
+        description="Conversations: 'builtin:chatterbot' (installed chatterbot-corpus package) or a JSONL file path",
+    )
+    max_samples: int = Field(default=256, ge=1, description="Use at most this many conversations (in source order)")
+    max_tokens: int = Field(default=512, ge=8, description="Truncate each tokenized conversation to this many tokens")
+    heldout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Share of samples held out for evaluation")
+    split_seed: int = Field(default=0, description="Seed of the hash that assigns samples to the held-out set")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    messages: tuple[Message, ...]
+
+
+# -- loading -----------------------------------------------------------------------------
+def chatterbot_dir() -> Path:
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("data.source=builtin:chatterbot needs the 'chatterbot-corpus' package (pip install chatterbot-corpus)")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "english"
+
+
+def source_files(source: str) -> list[Path]:
+    """The files a source reads (their contents are its fingerprint)."""
+    if source == BUILTIN_CHATTERBOT:
+        return sorted(chatterbot_dir().glob("*.yml"))
+    path = Path(source)
+    if not path.is_file():
+        raise DataError(f"data.source={source!r}: no such file; expected a JSONL file or {BUILTIN_CHATTERBOT!r}")
+    return [path]
+
+
+def _load_chatterbot(limit: int) -> list[Conversation]:
+    out: list[Conversation] = []
+    for path in source_files(BUILTIN_CHATTERBOT):
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for i, turns in enumerate(doc.get("conversations") or []):
+            texts = [str(t).strip() for t in turns if str(t).strip()]
+            if len(texts) < 2:
+                continue
+            roles: list[Role] = ["user" if j % 2 == 0 else "assistant" for j in range(len(texts))]
+            out.append(Conversation(f"{path.stem}-{i:04d}", tuple(Message(r, t) for r, t in zip(roles, texts))))
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def _load_jsonl(path: Path, limit: int) -> list[Conversation]:
+    out: list[Conversation] = []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                messages = tuple(Message(m["role"], m["content"]) for m in row["messages"])
+                cid = str(row.get("id", f"line-{line_no}"))
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise DataError(f"{path}:{line_no}: not a conversation ({err}); expected {{'id', 'messages': [{{'role', 'content'}}]}}") from err
+            bad = [m.role for m in messages if m.role not in ("system", "user", "assistant")]
+            if bad:
+                raise DataError(f"{path}:{line_no}: unknown role(s) {bad}; expected system, user or assistant")
+            out.append(Conversation(cid, messages))
+            if len(out) >= limit:
+                break
+    return out
+
+
+def load_conversations(config: DataConfig) -> list[Conversation]:
+    if config.source == BUILTIN_CHATTERBOT:
+        return _load_chatterbot(config.max_samples)
+    return _load_jsonl(source_files(config.source)[0], config.max_samples)
+
+
+def write_conversations(path: Path, conversations: Sequence[Conversation]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for conv in conversations:
+            row = {"id": conv.id, "messages": [{"role": m.role, "content": m.content} for m in conv.messages]}
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+# -- tokenization ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenizedSample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant tokens
+
+
+def _template_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:  # noqa: ANN001
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    out = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=add_generation_prompt)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def tokenize_conversation(tokenizer, conv: Conversation, max_tokens: int) -> TokenizedSample:  # noqa: ANN001
+    """Token ids of the whole conversation and a mask that is 1 on assistant tokens only."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(conv.messages):
+        if message.role == "assistant":
+            # the role header belongs to the prompt: measure it with add_generation_prompt
+            header = _template_ids(tokenizer, conv.messages[:i], add_generation_prompt=True)
+            mask.extend([0] * (len(header) - len(ids)))
+            ids = header
+        full = _template_ids(tokenizer, conv.messages[: i + 1], add_generation_prompt=False)
+        if full[: len(ids)] != ids:
+            raise DataError(f"sample {conv.id!r}: the chat template is not prefix-stable; cannot build a loss mask")
+        mask.extend([1 if message.role == "assistant" else 0] * (len(full) - len(ids)))
+        ids = full
+    return TokenizedSample(conv.id, ids[:max_tokens], mask[:max_tokens])
+
+
+def is_heldout(sample_id: str, fraction: float, seed: int) -> bool:
+    digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def write_samples(path: Path, samples: Sequence[TokenizedSample]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for s in samples:
+            handle.write(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
+
+
+def read_samples(path: Path) -> list[TokenizedSample]:
+    with open(path, encoding="utf-8") as handle:
+        return [TokenizedSample(r["id"], r["input_ids"], r["loss_mask"]) for r in map(json.loads, handle) if r]

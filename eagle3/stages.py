@@ -1,0 +1,176 @@
+"""Stage entry points: artifacts in, one artifact out, each idempotent.
+
+One function per DAG stage. Each takes its settings and the records of its inputs, writes
+`<artifact_root>/<stage>/<fingerprint>/`, and returns a StageRecord. When a whole artifact
+is already there it is returned without work, so a task re-run by Prefect (or by hand)
+never repeats finished work. Stages that can resume (extract, train) build in place and
+write their completion marker last; the others build in a temporary folder that is
+renamed into place only when whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from eagle3 import data, vllm_adapter
+from eagle3.artifacts import StageRecord, building, mark_complete, read_complete, remove_stale_builds
+from eagle3.data import DataConfig, DataError
+from eagle3.extract import ExtractConfig, extract_store, storage_dtype
+from eagle3.fingerprint import fingerprint, hash_files
+from eagle3.regenerate import RegenerateConfig, regenerate
+from eagle3.target import HEAD_FILE, INFO_FILE, TargetConfig, TargetInfo, read_target_info, resolve_model_dir, target_fingerprint
+from eagle3.target_head import extract_target_head
+
+# Bump a stage's version when its output format or meaning changes.
+VERSIONS = {
+    "stage_target": "1",
+    "regenerate": "1",
+    "prepare_data": "1",
+    "extract": "1",
+    "vocab": "1",
+    "train": "1",
+    "export": "1",
+    "evaluate": "1",
+}
+Progress = Callable[[int, int], None]
+
+
+def stage_fingerprint(stage: str, settings: object, *upstream: str) -> str:
+    return fingerprint(stage, VERSIONS[stage], settings, *upstream)
+
+
+def out_dir(root: Path, stage: str, fp: str) -> Path:
+    return Path(root) / stage / fp
+
+
+def _done(root: Path, stage: str, fp: str) -> tuple[Path, StageRecord | None]:
+    final = out_dir(root, stage, fp)
+    remove_stale_builds(final.parent)
+    return final, read_complete(final)
+
+
+# -- stage_target ------------------------------------------------------------------------
+def fingerprint_target(config: TargetConfig) -> str:
+    return stage_fingerprint("stage_target", config.model_dump(exclude={"max_model_len", "kv_cache_gib", "tensor_parallel_size"}), target_fingerprint(config))
+
+
+def run_stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str) -> StageRecord:
+    final, done = _done(root, "stage_target", fp)
+    if done:
+        return done
+    model_dir = resolve_model_dir(config, cache_dir)
+    info = read_target_info(config, model_dir)
+    with building(final) as tmp:
+        (tmp / INFO_FILE).write_text(info.to_json())
+        extract_target_head(model_dir, tmp / HEAD_FILE)
+        stats = {"model_dir": info.model_dir, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
+                 "vocab_size": info.vocab_size, "aux_layer_ids": json.dumps(info.aux_layer_ids)}
+        record = mark_complete(tmp, StageRecord(stage="stage_target", uri=str(final), fingerprint=fp, stats=stats))
+    return record
+
+
+def engine_spec(config: TargetConfig, target: StageRecord, load_log: Path) -> vllm_adapter.EngineSpec:
+    info = TargetInfo.read(target.path)
+    return vllm_adapter.EngineSpec(
+        model_dir=info.model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
+        kv_cache_gib=config.kv_cache_gib, tensor_parallel_size=config.tensor_parallel_size,
+        trust_remote_code=config.trust_remote_code, seed=0, load_log=str(load_log),
+    )
+
+
+def _tokenizer(target: StageRecord, trust_remote_code: bool):  # noqa: ANN202
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TargetInfo.read(target.path).model_dir, trust_remote_code=trust_remote_code)
+
+
+# -- regenerate --------------------------------------------------------------------------
+def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, target: StageRecord, max_model_len: int) -> str:
+    source = hash_files(data.source_files(data_config.source))
+    settings = {"regenerate": config, "source": data_config.source, "max_samples": data_config.max_samples}
+    if not config.enabled:
+        return stage_fingerprint("regenerate", settings, source)
+    return stage_fingerprint("regenerate", settings | {"max_model_len": max_model_len}, source, target.fingerprint)
+
+
+def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_config: TargetConfig, target: StageRecord,
+                   root: Path, fp: str, load_log: Path) -> StageRecord:
+    final, done = _done(root, "regenerate", fp)
+    if done:
+        return done
+    conversations = data.load_conversations(data_config)
+    answered = [c for c in conversations if any(m.role == "assistant" for m in c.messages)]
+    if not answered:
+        raise DataError(
+            f"data.source={data_config.source!r}: none of its {len(conversations)} conversations has an assistant turn; "
+            "expected user/assistant conversations (prompts are the turns before the first assistant turn)"
+        )
+    skipped, generated = 0, 0
+    if config.enabled:
+        spec = engine_spec(target_config, target, load_log)
+        result = regenerate(answered, _tokenizer(target, target_config.trust_remote_code),
+                            lambda: vllm_adapter.acquire(spec), config, target_config.max_model_len)
+        answered, skipped, generated = result.conversations, result.skipped_too_long, result.generated_tokens
+    with building(final) as tmp:
+        data.write_conversations(tmp / "conversations.jsonl", answered)
+        stats = {"conversations": len(answered), "skipped": skipped, "generated_tokens": generated, "regenerated": int(config.enabled)}
+        return mark_complete(tmp, StageRecord(stage="regenerate", uri=str(final), fingerprint=fp, stats=stats))
+
+
+# -- prepare_data ------------------------------------------------------------------------
+def fingerprint_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecord) -> str:
+    return stage_fingerprint("prepare_data", config, regenerated.fingerprint, target.fingerprint)
+
+
+def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecord, trust_remote_code: bool, root: Path, fp: str) -> StageRecord:
+    final, done = _done(root, "prepare_data", fp)
+    if done:
+        return done
+    tokenizer = _tokenizer(target, trust_remote_code)
+    conversations = data.load_conversations(DataConfig(source=str(regenerated.path / "conversations.jsonl"), max_samples=10**9))
+    train, heldout, dropped = [], [], 0
+    for conv in conversations:
+        sample = data.tokenize_conversation(tokenizer, conv, config.max_tokens)
+        if sum(sample.loss_mask) == 0:
+            dropped += 1
+            continue
+        (heldout if data.is_heldout(sample.id, config.heldout_fraction, config.split_seed) else train).append(sample)
+    if not train:
+        raise DataError(
+            f"data.source={config.source!r}: no usable training sample ({len(conversations)} conversations, {dropped} without "
+            f"an assistant token after truncation to data.max_tokens={config.max_tokens})"
+        )
+    with building(final) as tmp:
+        data.write_samples(tmp / "train.jsonl", train)
+        data.write_samples(tmp / "heldout.jsonl", heldout)
+        stats = {"train_samples": len(train), "heldout_samples": len(heldout), "dropped": dropped,
+                 "train_tokens": sum(len(s.input_ids) for s in train)}
+        return mark_complete(tmp, StageRecord(stage="prepare_data", uri=str(final), fingerprint=fp, stats=stats))
+
+
+# -- extract -----------------------------------------------------------------------------
+def fingerprint_extract(config: ExtractConfig, target_config: TargetConfig, prepared: StageRecord, target: StageRecord) -> str:
+    settings = {"extract": config, "dtype": target_config.dtype, "aux_layer_ids": target.stats["aux_layer_ids"]}
+    return stage_fingerprint("extract", settings, prepared.fingerprint, target.fingerprint)
+
+
+def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: StageRecord, target: StageRecord,
+                root: Path, fp: str, load_log: Path, progress: Progress | None = None) -> StageRecord:
+    final, done = _done(root, "extract", fp)
+    if done:
+        return done
+    info = TargetInfo.read(target.path)
+    spec = engine_spec(target_config, target, load_log)
+    dtype = storage_dtype(config, target_config.dtype)
+    stats: dict[str, int | float | str] = {}
+    for split in ("train", "heldout"):
+        samples = data.read_samples(prepared.path / f"{split}.jsonl")
+        result = extract_store(
+            samples, final / split, get_engine=lambda: vllm_adapter.acquire(spec), aux_layer_ids=info.aux_layer_ids,
+            num_layers=info.num_layers, hidden_size=info.hidden_size, config=config, dtype=dtype, progress=progress,
+        )
+        stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,
+                  f"{split}_shards_written": result.shards_written, f"{split}_shards_reused": result.shards_reused}
+    return mark_complete(final, StageRecord(stage="extract", uri=str(final), fingerprint=fp, stats=stats))

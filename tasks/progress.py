@@ -1,0 +1,24 @@
+"""Progress of long stages: a Prefect progress artifact plus a line in the run log."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.logging import get_run_logger
+
+
+def progress_reporter(stage: str, unit: str) -> Callable[[int, int], None]:
+    """A callback (done, total) that updates one progress artifact for `stage`."""
+    state: dict[str, object] = {}
+    logger = get_run_logger()
+
+    def report(done: int, total: int) -> None:
+        percent = 100.0 * done / max(total, 1)
+        if "id" not in state:
+            state["id"] = create_progress_artifact(progress=percent, description=f"{stage}: {unit} done")
+        else:
+            update_progress_artifact(artifact_id=state["id"], progress=percent)
+        logger.info("%s: %d/%d %s (%.0f%%)", stage, done, total, unit, percent)
+
+    return report
