@@ -1,28 +1,47 @@
-"""NVML behind a small Protocol: GPU memory, the processes NVML sees, and the memory checks.
+"""What is on the GPUs: NVML (memory, processes) and the processes holding the device files.
 
-This module owns everything that asks the NVIDIA driver (through NVML) a question:
+This module observes; `eagle3.gpu` decides and acts (policy, signals, the cleanup stage).
+It owns:
 
 - `NvmlLike`, the Protocol the rest of the code talks to (device count, memory used/total
   per device, processes per device), and `PynvmlBackend`, its real implementation on
   `pynvml` (the `nvidia-ml-py` package), imported lazily so the library imports without it;
-- `memory_snapshot` / `wait_until_free`: read and poll per-GPU used memory against
-  thresholds (the verification step of GPU cleanup, see `eagle3.gpu`);
-- `idle_thresholds_mib`: the "idle baseline" threshold when no absolute one is set;
+- `discover_holders`: processes with a device file open or mapped (`fuser`, or the same
+  answer from a /proc/<pid>/fd + /proc/<pid>/maps scan) plus those NVML lists per GPU,
+  each with user, command line and start time (/proc/<pid>/stat field 22, clock ticks
+  since boot: with the pid it identifies a process, since a reused PID starts later);
+- `memory_snapshot` / `idle_thresholds_mib` / `wait_until_free`: per-GPU used memory,
+  the idle-baseline threshold, and the polling that proves memory came free;
 - `preflight`: is there enough free memory on every GPU for the job about to start?
 
-Units: NVML answers in bytes; reports, thresholds and error messages use MiB (2**20 bytes),
-like nvidia-smi.
+Units: NVML answers in bytes; reports, thresholds and messages use MiB (2**20 bytes).
 """
 
 from __future__ import annotations
 
+import os
+import pwd
+import re
+import shutil
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from datetime import datetime, timezone
+from glob import glob
+from pathlib import Path
+from typing import Any, Protocol
 
 MIB = 2**20
 GIB = 2**30
+
+
+class GpuCleanupError(RuntimeError):
+    """GPU cleanup (discovery, policy, stopping, verification) could not do what it was asked."""
+
+
+class NvmlQueryError(GpuCleanupError):
+    """NVML started but a query failed (GPU lost, not supported here, ...)."""
 
 
 class NvmlUnavailableError(RuntimeError):
@@ -100,25 +119,32 @@ class PynvmlBackend:
     def close(self) -> None:
         self._nvml.nvmlShutdown()
 
-    def device_count(self) -> int:
-        return int(self._nvml.nvmlDeviceGetCount())
+    def _ask(self, what: str, index: int | None, *args: object) -> Any:
+        """Call pynvml's `what`; an NVML failure becomes an error naming the call and GPU."""
+        try:
+            return getattr(self._nvml, what)(*args)
+        except self._nvml.NVMLError as exc:
+            where = "" if index is None else f" for GPU {index}"
+            raise NvmlQueryError(f"NVML {what}{where} failed: {type(exc).__name__}: {exc}") \
+                from exc
 
     def _handle(self, index: int) -> object:
-        return self._nvml.nvmlDeviceGetHandleByIndex(index)
+        return self._ask("nvmlDeviceGetHandleByIndex", index, index)
+
+    def device_count(self) -> int:
+        return int(self._ask("nvmlDeviceGetCount", None))
 
     def memory(self, index: int) -> DeviceMemory:
-        info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle(index))
+        info = self._ask("nvmlDeviceGetMemoryInfo", index, self._handle(index))
         return DeviceMemory(used_bytes=int(info.used), total_bytes=int(info.total))
 
     def processes(self, index: int) -> list[NvmlProcess]:
         handle = self._handle(index)
         found: dict[int, int | None] = {}
         # A process can hold a compute and a graphics context on the same GPU: merge by pid.
-        for query in (
-            self._nvml.nvmlDeviceGetComputeRunningProcesses,
-            self._nvml.nvmlDeviceGetGraphicsRunningProcesses,
-        ):
-            for proc in query(handle):
+        for query in ("nvmlDeviceGetComputeRunningProcesses",
+                      "nvmlDeviceGetGraphicsRunningProcesses"):
+            for proc in self._ask(query, index, handle):
                 pid = int(proc.pid)
                 # pynvml gives usedGpuMemory=None for "not available".
                 known = [u for u in (found.get(pid), proc.usedGpuMemory) if u is not None]
@@ -129,6 +155,170 @@ class PynvmlBackend:
 def open_nvml() -> PynvmlBackend:
     """The real NVML; raises NvmlUnavailableError when there is no NVIDIA driver."""
     return PynvmlBackend()
+
+
+# ---------------------------------------------------------------- holders (/proc, fuser)
+
+
+@dataclass(frozen=True)
+class GpuHolder:
+    """A process holding a GPU device file or listed by NVML."""
+
+    pid: int
+    user: str
+    command: str
+    start_ticks: int | None  # /proc/<pid>/stat field 22; None: pid not visible in /proc here
+    started_at: str | None  # the same, as an ISO 8601 UTC time
+    device_files: tuple[str, ...]  # files matching device_glob it has open or mapped
+    gpus: tuple[int, ...]  # NVML indices of the GPUs where NVML lists it
+    gpu_memory_mib: int | None  # summed over its GPUs, from NVML; None: unknown
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self.device_files + tuple(f"gpu{i}" for i in self.gpus)
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    state: str
+    ppid: int
+    start_ticks: int
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """/proc/<pid>/stat, or None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm (field 2) may hold spaces and ')': the fields after the last ')' start at field 3.
+    fields = text.rpartition(")")[2].split()
+    return ProcStat(state=fields[0], ppid=int(fields[1]), start_ticks=int(fields[19]))
+
+
+def _started_at(start_ticks: int) -> str:
+    boot = next(
+        int(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime ")
+    )
+    seconds = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def describe_process(pid: int) -> tuple[str, str, int] | None:
+    """(user, command line, start ticks) of a live process, None when it is gone."""
+    stat = read_stat(pid)
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    if stat is None:
+        return None
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:  # uid without a passwd entry (containers): show the number
+        user = str(uid)
+    command = raw.replace(b"\0", b" ").decode(errors="replace").strip() or f"[{comm}]"
+    return user, command, stat.start_ticks
+
+
+def scan_with_fuser(paths: list[str]) -> dict[int, set[str]]:
+    """pid -> device files it has open or mapped, from `fuser` (psmisc), one file at a time.
+
+    With or without -v, fuser prints the pids on stdout and everything else (file names,
+    access letters, the -v table, "Cannot stat /proc/1/fd/0" for processes it may not
+    inspect) on stderr; exit 1 means nobody holds the file.
+    """
+    fuser = shutil.which("fuser")
+    if fuser is None:
+        raise GpuCleanupError("holder_scan='fuser' but fuser is not installed (Debian: psmisc); "
+                              "set holder_scan='proc' or 'auto'")
+    held: dict[int, set[str]] = {}
+    for path in paths:
+        done = subprocess.run([fuser, path], capture_output=True, text=True, check=False)
+        if done.returncode not in (0, 1):
+            raise GpuCleanupError(f"fuser {path} failed (exit {done.returncode}): "
+                                  f"{done.stderr.strip()[-500:]}")
+        for pid in re.findall(r"\d+", done.stdout):
+            held.setdefault(int(pid), set()).add(path)
+    return held
+
+
+def _held_by(pid: int, wanted: dict[str, str]) -> set[str]:
+    """Which wanted files (real path -> name) pid has open (fd) or mapped (maps)."""
+    found = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:  # closed since listdir
+                continue
+            if target in wanted:
+                found.add(wanted[target])
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5] in wanted:
+                found.add(wanted[parts[5]])
+    except (FileNotFoundError, ProcessLookupError):  # the process exited meanwhile
+        return set()
+    except PermissionError:  # another user's process: fuser cannot see it either
+        return found
+    return found
+
+
+def scan_with_proc(paths: list[str]) -> dict[int, set[str]]:
+    """pid -> device files it has open or mapped, from /proc (same answer as fuser)."""
+    wanted = {os.path.realpath(path): path for path in paths}
+    held: dict[int, set[str]] = {}
+    if not wanted:
+        return held
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            files = _held_by(int(name), wanted)
+            if files:
+                held[int(name)] = files
+    return held
+
+
+def discover_holders(
+    device_glob: str, holder_scan: str = "auto", nvml: NvmlLike | None = None
+) -> tuple[GpuHolder, ...]:
+    """Every process holding a device file matching device_glob or listed by NVML, by pid.
+
+    holder_scan: "fuser", "proc", or "auto" (fuser when installed, else the /proc scan).
+    """
+    paths = sorted(glob(device_glob))
+    use_fuser = holder_scan == "fuser" or (holder_scan == "auto" and shutil.which("fuser"))
+    files = scan_with_fuser(paths) if use_fuser else scan_with_proc(paths)
+    gpus: dict[int, set[int]] = {}
+    memory: dict[int, int] = {}
+    for index in range(nvml.device_count() if nvml is not None else 0):
+        for proc in nvml.processes(index):
+            gpus.setdefault(proc.pid, set()).add(index)
+            if proc.used_bytes is not None:
+                memory[proc.pid] = memory.get(proc.pid, 0) + proc.used_bytes // MIB
+    holders = []
+    for pid in sorted(files.keys() | gpus.keys()):
+        info = describe_process(pid)
+        if info is None and pid in files:
+            continue  # held a device file a moment ago and has exited since
+        # NVML may list pids this namespace cannot see (another container's): keep them,
+        # unnamed, so the report shows who holds the memory.
+        user, command, ticks = info or ("?", "?", None)
+        holders.append(GpuHolder(
+            pid=pid, user=user, command=command, start_ticks=ticks,
+            started_at=_started_at(ticks) if ticks is not None else None,
+            device_files=tuple(sorted(files.get(pid, ()))), gpus=tuple(sorted(gpus.get(pid, ()))),
+            gpu_memory_mib=memory.get(pid),
+        ))
+    return tuple(holders)
+
+
+# ---------------------------------------------------------------- memory
 
 
 def memory_snapshot(

