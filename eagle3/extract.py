@@ -29,6 +29,9 @@ class ExtractConfig(BaseModel):
 
     backend: Literal["vllm"] = Field(default="vllm", description="Engine that runs the target (vLLM in-process, patched forward)")
     samples_per_shard: int = Field(default=32, ge=1, description="Samples per safetensors shard (the unit of resume)")
+    batch_tokens: int = Field(
+        default=16384, ge=1, description="Tokens per prefill call (whole shards are batched together up to this)"
+    )
     storage_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="Dtype of stored states; 'auto' = float32 for float32 targets, else bfloat16"
     )
@@ -75,21 +78,39 @@ def extract_store(
     llm = get_engine()
     capture = HiddenStateCapture(resolve_decoder_stack(vllm_adapter.torch_module(llm)), layer_ids)
     capture.install()
+    done = reused
     try:
-        for done, index in enumerate(pending, start=1):
-            batch = [by_id[i] for i in groups[index]]
+        for shard_indices in _batches(pending, groups, by_id, config.batch_tokens):
+            batch = [by_id[i] for index in shard_indices for i in groups[index]]
             prompts = [s.input_ids for s in batch]
             with capture.collecting(prompts, hidden_size) as states:
                 vllm_adapter.prefill(llm, prompts)
-            writer.write_shard(
-                index,
-                [
+            by_sample = {s.id: (s, h) for s, h in zip(batch, states)}  # h: [T, n_aux+1, H]
+            for index in shard_indices:
+                writer.write_shard(index, [
                     Sample(s.id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool), h)
-                    for s, h in zip(batch, states)  # h: [T, n_aux+1, H]
-                ],
-            )
-            if progress:
-                progress(reused + done, len(groups))
+                    for s, h in (by_sample[i] for i in groups[index])
+                ])
+                done += 1
+                if progress:
+                    progress(done, len(groups))
     finally:
         capture.remove()
     return ExtractStats(len(samples), sum(len(s.input_ids) for s in samples), len(pending), reused)
+
+
+def _batches(pending: list[int], groups: list[list[str]], by_id: dict[str, TokenizedSample], batch_tokens: int) -> list[list[int]]:
+    """Group pending shard indices so that each prefill call holds about `batch_tokens` tokens."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for index in pending:
+        size = sum(len(by_id[i].input_ids) for i in groups[index])
+        if current and tokens + size > batch_tokens:
+            out.append(current)
+            current, tokens = [], 0
+        current.append(index)
+        tokens += size
+    if current:
+        out.append(current)
+    return out
