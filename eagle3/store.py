@@ -7,7 +7,7 @@ A store is a directory:
     shard-00001.safetensors
     ...
 
-Inside a shard, sample j (0-based within the shard) has three tensors:
+Inside a shard, sample j (0-based within the shard) has these tensors:
 
     "{j}.input_ids"      int64  [T]            token ids, prompt and answer
     "{j}.loss_mask"      bool   [T]            True on assistant tokens (the ones to learn)
@@ -15,14 +15,28 @@ Inside a shard, sample j (0-based within the shard) has three tensors:
                                                order, [:, -1] the final state (layer id N:
                                                the last decoder layer's output BEFORE the
                                                final norm)
+    "{j}.hidden_scales"  float32 [T, n_aux+1]  fp8 stores only: one scale per (token, layer)
+                                               row; state = value * scale
 
 and the shard's safetensors metadata holds the sample ids as JSON ("sample_ids").
 Layer ids follow vLLM: id k is the hidden state entering decoder layer k.
 
+fp8 (`float8_e4m3fn`) stores keep one float32 scale per ROW (a token at one layer), set so
+that the row's largest magnitude maps to e4m3's largest finite value, 448. Per-row and not
+per-tensor because hidden-state magnitudes differ by orders of magnitude between rows: the
+residual stream grows with depth, and a few tokens (the first token, delimiters) carry
+"massive activations" 100-10,000x the typical row. One scale for the whole tensor would be set
+by those few rows and push every ordinary row into e4m3's subnormal range (or below it),
+losing most of its bits; with a per-row scale nothing is clipped and every row keeps e4m3's
+3-bit mantissa: element error <= 2^-4 of the element (half an ulp), so a row's relative error
+is <= 2^-4 (about 2.7% in practice), for 4 bytes per H-element row (0.1% at H=4096). The
+reader returns the dequantized states in bfloat16 (or float32 when asked).
+
 Shards are written under a temporary name and renamed when complete, so a shard file
-under its final name is always whole; the manifest is rewritten (atomically) after
-every shard, so a killed writer resumes at the first shard that is missing or whose
-checksum does not match.
+under its final name is always whole; the sha256 is computed from the bytes as they are
+written (no second read). The manifest is rewritten (atomically) after every shard, so a
+killed writer resumes at the first shard that is missing or whose checksum does not match.
+`write_shard` may be called from several threads at once (extract's writer pool does).
 """
 
 from __future__ import annotations
@@ -30,16 +44,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALES = "per_row_amax_float32"  # the manifest's name for the fp8 scaling scheme above
+# torch dtype -> safetensors dtype tag (the format's spelling)
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", FP8: "F8_E4M3",
+}
 
 
 class StoreError(RuntimeError):
@@ -48,12 +72,17 @@ class StoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class Sample:
-    """One extracted sample. Shapes: input_ids/loss_mask [T]; hidden_states [T, n_aux+1, H]."""
+    """One extracted sample. Shapes: input_ids/loss_mask [T]; hidden_states [T, n_aux+1, H].
+
+    `hidden_scales` [T, n_aux+1] float32 is set only when hidden_states is already fp8-encoded
+    (`encode_states`); otherwise None and the writer encodes.
+    """
 
     sample_id: str
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     hidden_states: torch.Tensor
+    hidden_scales: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +100,29 @@ class ShardEntry:
     sha256: str
 
 
+# -- fp8 encoding (pure) -------------------------------------------------------------------
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """states [..., H] -> (values [..., H] float8_e4m3fn, scales [...] float32), states ~ values * scales."""
+    x = states.float()
+    amax = x.abs().amax(dim=-1)  # [...]
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # an all-zero row keeps scale 1
+    values = (x / scales[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # clamp: rounding may land a hair above 448
+    return values, scales
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(values [..., H] fp8, scales [...]) -> states [..., H] in `dtype`."""
+    return (values.float() * scales.float()[..., None]).to(dtype)
+
+
+def encode_states(states: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """States [..., H] in the storage `dtype`: (values, per-row scales) for fp8, (states, None) otherwise."""
+    if dtype == FP8:
+        return quantize_fp8(states)
+    return states.to(dtype), None
+
+
+# -- files ---------------------------------------------------------------------------------
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -81,7 +133,7 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()
@@ -93,12 +145,49 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without copying when it is already contiguous."""
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)  # any dtype -> its bytes [numel * itemsize]
+    return memoryview(flat.numpy()).cast("B")
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Write `tensors` (CPU) to `path` in the safetensors format and fsync; returns (size, sha256).
+
+    The bytes go straight from each tensor's memory to the file (safetensors' own `save_file`
+    builds the whole file in memory first, copying every tensor twice while holding the GIL),
+    and the checksum is taken from the same buffers as they are written.
+    """
+    # largest itemsize first, so each tensor starts at a multiple of its own itemsize
+    ordered = sorted(tensors.items(), key=lambda item: -item[1].element_size())
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in ordered:
+        if tensor.dtype not in _ST_DTYPES:
+            raise StoreError(f"tensor {name!r} has dtype {tensor.dtype}, which a store cannot hold; expected one of {list(_ST_DTYPES)}")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 8)  # the format pads the header so the data starts 8-aligned
+    digest = hashlib.sha256()
+    with open(path, "wb", buffering=0) as handle:
+        for chunk in [memoryview(struct.pack("<Q", len(blob)) + blob)] + [_raw_bytes(t) for _, t in ordered]:
+            digest.update(chunk)  # releases the GIL on large buffers, as does write
+            while chunk:
+                chunk = chunk[handle.write(chunk[: 1 << 30]) :]
+        os.fsync(handle.fileno())
+    return 8 + len(blob) + offset, digest.hexdigest()
+
+
+# -- writer --------------------------------------------------------------------------------
 class StoreWriter:
     """Writes shards into `root`, resuming after a crash.
 
     `expected_shards` is the list of sample-id groups this store must end up with (the
     caller decides the grouping, so that a resume writes the same shards). `pending()`
     tells which of them still need work; `write_shard` writes one and updates the manifest.
+    `dtype` is the storage dtype: float32, bfloat16, or torch.float8_e4m3fn (with per-row scales).
     """
 
     def __init__(
@@ -110,6 +199,8 @@ class StoreWriter:
         dtype: torch.dtype,
         expected_shards: Sequence[Sequence[str]],
     ) -> None:
+        if dtype not in _ST_DTYPES or not (dtype.is_floating_point or dtype == FP8):
+            raise StoreError(f"storage dtype {dtype} is not supported; expected float32, bfloat16, float16 or float8_e4m3fn")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.aux_layer_ids = list(aux_layer_ids)
@@ -117,6 +208,7 @@ class StoreWriter:
         self.dtype = dtype
         self.expected = [tuple(ids) for ids in expected_shards]
         self._entries: dict[int, ShardEntry] = {}
+        self._lock = threading.Lock()  # guards _entries and the manifest file
         self._load_valid_entries()
 
     def _load_valid_entries(self) -> None:
@@ -130,7 +222,9 @@ class StoreWriter:
             manifest = json.loads(path.read_text())
         except json.JSONDecodeError:
             return  # unreadable manifest: every shard is re-verified by being redone
-        if manifest.get("aux_layer_ids") != self.aux_layer_ids:
+        same_layout = (manifest.get("aux_layer_ids"), manifest.get("hidden_size"), manifest.get("dtype")) == (
+            self.aux_layer_ids, self.hidden_size, _dtype_name(self.dtype))
+        if not same_layout:
             return
         for index, raw in enumerate(manifest.get("shards", [])):
             if raw is None or index >= len(self.expected):
@@ -147,7 +241,8 @@ class StoreWriter:
 
     def pending(self) -> list[int]:
         """Indices of expected shards that are missing or invalid."""
-        return [i for i in range(len(self.expected)) if i not in self._entries]
+        with self._lock:
+            return [i for i in range(len(self.expected)) if i not in self._entries]
 
     def write_shard(self, index: int, samples: Sequence[Sample]) -> ShardEntry:
         ids = tuple(s.sample_id for s in samples)
@@ -155,36 +250,44 @@ class StoreWriter:
             raise StoreError(f"shard {index} got samples {ids}, expected {self.expected[index]}")
         tensors: dict[str, torch.Tensor] = {}
         for j, sample in enumerate(samples):
-            n_aux = len(self.aux_layer_ids)
-            want = (sample.num_tokens, n_aux + 1, self.hidden_size)
-            if tuple(sample.hidden_states.shape) != want:
-                raise StoreError(
-                    f"sample {sample.sample_id!r}: hidden_states shape "
-                    f"{tuple(sample.hidden_states.shape)}, expected {want}"
-                )
+            values, scales = self._encoded(sample)
             tensors[f"{j}.input_ids"] = sample.input_ids.to(torch.int64).contiguous()
             tensors[f"{j}.loss_mask"] = sample.loss_mask.to(torch.bool).contiguous()
-            tensors[f"{j}.hidden_states"] = sample.hidden_states.to(self.dtype).contiguous()
+            tensors[f"{j}.hidden_states"] = values.contiguous()
+            if scales is not None:
+                tensors[f"{j}.hidden_scales"] = scales.to(torch.float32).contiguous()
         final = self.root / shard_name(index)
-        tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
-        save_file(tensors, str(tmp), metadata={"sample_ids": json.dumps(list(ids))})
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
+        tmp = self.root / f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+        size, sha256 = write_safetensors(tmp, tensors, {"sample_ids": json.dumps(list(ids))})
         os.replace(tmp, final)
-        entry = ShardEntry(
-            file=final.name,
-            sample_ids=ids,
-            num_tokens=sum(s.num_tokens for s in samples),
-            size=final.stat().st_size,
-            sha256=sha256_file(final),
-        )
-        self._entries[index] = entry
-        self._write_manifest()
+        entry = ShardEntry(file=final.name, sample_ids=ids, num_tokens=sum(s.num_tokens for s in samples), size=size, sha256=sha256)
+        with self._lock:
+            self._entries[index] = entry
+            self._write_manifest()
         return entry
+
+    def _encoded(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Check the sample's shape and return its states in the storage dtype (+ fp8 scales)."""
+        n_rows = len(self.aux_layer_ids) + 1
+        want = (sample.num_tokens, n_rows, self.hidden_size)
+        states, scales = sample.hidden_states, sample.hidden_scales
+        if tuple(states.shape) != want:
+            raise StoreError(f"sample {sample.sample_id!r}: hidden_states shape {tuple(states.shape)}, expected {want}")
+        if scales is None:
+            if states.dtype == FP8:
+                raise StoreError(f"sample {sample.sample_id!r}: fp8 hidden_states without hidden_scales; use encode_states()")
+            return encode_states(states, self.dtype)
+        if states.dtype != FP8 or self.dtype != FP8 or tuple(scales.shape) != want[:2]:
+            raise StoreError(
+                f"sample {sample.sample_id!r}: hidden_scales {tuple(scales.shape)} with {states.dtype} states for a "
+                f"{self.dtype} store; expected fp8 states with scales {want[:2]} in an fp8 store, else no scales"
+            )
+        return states, scales
 
     def finish(self) -> None:
         """(Re)write the manifest; an empty store (no shards) is complete once finished."""
-        self._write_manifest()
+        with self._lock:
+            self._write_manifest()
 
     def _write_manifest(self) -> None:
         shards = []
@@ -195,12 +298,17 @@ class StoreWriter:
             "format_version": FORMAT_VERSION,
             "aux_layer_ids": self.aux_layer_ids,
             "hidden_size": self.hidden_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "complete": not self.pending(),
+            "dtype": _dtype_name(self.dtype),
+            "hidden_scales": SCALES if self.dtype == FP8 else None,
+            "complete": len(self._entries) == len(self.expected),
             "num_samples": sum(len(ids) for ids in self.expected),
             "shards": shards,
         }
         atomic_write_text(self.root / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _shard_is_whole(root: Path, entry: ShardEntry) -> bool:
@@ -208,10 +316,14 @@ def _shard_is_whole(root: Path, entry: ShardEntry) -> bool:
     return path.is_file() and path.stat().st_size == entry.size and sha256_file(path) == entry.sha256
 
 
+# -- reader --------------------------------------------------------------------------------
 class StoreReader:
-    """Reads a complete store. Opening checks the manifest; `verify()` checks every checksum."""
+    """Reads a complete store. Opening checks the manifest; `verify()` checks every checksum.
 
-    def __init__(self, root: Path) -> None:
+    fp8 stores are dequantized on read into `dequantize_dtype` (bfloat16 or float32).
+    """
+
+    def __init__(self, root: Path, *, dequantize_dtype: torch.dtype = torch.bfloat16) -> None:
         self.root = Path(root)
         path = self.root / MANIFEST
         if not path.is_file():
@@ -219,9 +331,15 @@ class StoreReader:
         manifest = json.loads(path.read_text())
         if not manifest.get("complete"):
             raise StoreError(f"hidden-state store at {self.root} is incomplete; re-run the extract stage to finish it")
+        if manifest.get("format_version") != FORMAT_VERSION or manifest.get("hidden_scales") not in (None, SCALES):
+            raise StoreError(
+                f"store {self.root} has format {manifest.get('format_version')} with scales {manifest.get('hidden_scales')!r}; "
+                f"this reader knows format {FORMAT_VERSION} with scales None or {SCALES!r}: re-run the extract stage"
+            )
         self.aux_layer_ids: list[int] = manifest["aux_layer_ids"]
         self.hidden_size: int = manifest["hidden_size"]
-        self.dtype: str = manifest["dtype"]
+        self.dtype: str = manifest["dtype"]  # storage dtype, e.g. "bfloat16" or "float8_e4m3fn"
+        self.dequantize_dtype = dequantize_dtype
         self.shards = [
             ShardEntry(e["file"], tuple(e["sample_ids"]), e["num_tokens"], e["size"], e["sha256"])
             for e in manifest["shards"]
@@ -246,11 +364,14 @@ class StoreReader:
         shard, j = self._index[i]
         entry = self.shards[shard]
         with safe_open(str(self.root / entry.file), framework="pt") as handle:
+            states = handle.get_tensor(f"{j}.hidden_states")
+            if states.dtype == FP8:
+                states = dequantize_fp8(states, handle.get_tensor(f"{j}.hidden_scales"), self.dequantize_dtype)
             return Sample(
                 sample_id=entry.sample_ids[j],
                 input_ids=handle.get_tensor(f"{j}.input_ids"),
                 loss_mask=handle.get_tensor(f"{j}.loss_mask"),
-                hidden_states=handle.get_tensor(f"{j}.hidden_states"),
+                hidden_states=states,
             )
 
     def __iter__(self) -> Iterator[Sample]:

@@ -18,7 +18,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import State
 
-from eagle3 import stages, vllm_adapter
+from eagle3 import draft_stages, stages, vllm_adapter
 from eagle3.artifacts import StageRecord
 from eagle3.config import PipelineConfig
 from eagle3.summary import RunSummary, StageRow, write_summary
@@ -81,14 +81,14 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
                               config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
         vllm_adapter.release_all()  # free the target's memory before training
         run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir)
-        vocab = run.stage("vocab", draft_tasks.vocab, stages.fingerprint_vocab(config.vocab, prepared),
+        vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(config.vocab, prepared),
                           config=config.vocab, prepared=prepared, target=target)
-        trained = run.stage("train", draft_tasks.train, stages.fingerprint_train(config.train, extracted, vocab, target),
+        trained = run.stage("train", draft_tasks.train, draft_stages.fingerprint_train(config.train, extracted, vocab, target),
                             config=config.train, target=target, extracted=extracted, vocab=vocab)
-        exported = run.stage("export", draft_tasks.export, stages.fingerprint_export(trained),
+        exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(trained),
                              target=target, trained=trained, vocab=vocab)
         outcome["export_dir"] = exported.uri
-        evaluated = run.stage("evaluate", draft_tasks.evaluate, stages.fingerprint_evaluate(config.eval, exported, extracted),
+        evaluated = run.stage("evaluate", draft_tasks.evaluate, draft_stages.fingerprint_evaluate(config.eval, exported, extracted),
                               config=config.eval, target=target, exported=exported, extracted=extracted)
         outcome["acceptance_length"] = evaluated.stats["acceptance_length"]
         outcome["evaluation"] = evaluated.uri

@@ -15,6 +15,9 @@ def progress_reporter(stage: str, unit: str) -> Callable[[int, int], None]:
 
     def report(done: int, total: int) -> None:
         percent = 100.0 * done / max(total, 1)
+        if int(percent) == state.get("last") and done != total:
+            return  # at most one update per percent
+        state["last"] = int(percent)
         if "id" not in state:
             state["id"] = create_progress_artifact(progress=percent, description=f"{stage}: {unit} done")
         else:

@@ -1,0 +1,37 @@
+"""Thin tasks of the draft side: vocab, train, export, evaluate (no retries: CPU/GPU math on
+local files either works or fails the same way again)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from eagle3 import draft_stages
+from eagle3.artifacts import StageRecord
+from eagle3.evaluate import EvalConfig
+from eagle3.train import TrainConfig
+from eagle3.vocab import VocabConfig
+from tasks.progress import progress_reporter
+
+
+@task(name="vocab")
+def vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, root: Path, fp: str) -> StageRecord:
+    return draft_stages.run_vocab(config, prepared, target, root, fp)
+
+
+@task(name="train")
+def train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str) -> StageRecord:
+    report = progress_reporter("train", "steps")
+    return draft_stages.run_train(config, target, extracted, vocab, root, fp,
+                                  progress=lambda step, total, loss: report(step, total))
+
+
+@task(name="export")
+def export(target: StageRecord, trained: StageRecord, vocab: StageRecord, root: Path, fp: str) -> StageRecord:
+    return draft_stages.run_export(target, trained, vocab, root, fp)
+
+
+@task(name="evaluate")
+def evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord, root: Path, fp: str) -> StageRecord:
+    return draft_stages.run_evaluate(config, target, exported, extracted, root, fp)

