@@ -53,10 +53,12 @@ def test_per_row_fp8_error_is_bounded_and_nothing_is_clipped():
     assert float(err.max()) <= ROW_BOUND and float(err.mean()) <= MEAN_BOUND
     # the massive activations (up to 128,000, far beyond e4m3's 448) come back, not clipped
     torch.testing.assert_close(got[0, 3, 7], x[0, 3, 7], rtol=2**-4, atol=0)
-    # one scale for the whole tensor would be set by those rows and wreck the ordinary ones
+    # one scale for the whole tensor is set by those rows and pushes the ordinary shallow rows
+    # toward e4m3's subnormals: 2x the error here, 12x when the massive activations are 10x larger
     scale = x.abs().max() / FP8_MAX
     per_tensor = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
-    assert float(_row_error(per_tensor, x)[1:17, 0].mean()) > 0.5
+    ordinary = slice(1, 17), 0  # tokens 1..16 at the shallowest stored layer
+    assert float(_row_error(per_tensor, x)[ordinary].mean()) > 1.5 * float(err[ordinary].mean())
 
 
 def test_zero_rows_stay_zero_and_finite():
