@@ -8,10 +8,20 @@ How it works (vLLM backend):
   (hidden_states, residual) and the true hidden state is their SUM (both [T, H]);
 - rows are copied into per-request buffers [T_req, n_ids, H] at their positions.
 
-Rows are mapped to requests explicitly, never by batch order: a row at position p with
-token x belongs to a request whose next uncaptured position is p and whose token at p is
-x. Because the target is causal, two requests that agree on tokens[0..p] have the same
-states at p, so the match is exact even when prompts share prefixes.
+Rows are mapped to requests explicitly, never by batch order, in one of two ways:
+- with a `row_source` (the engine's own description of the batch in flight: for each engine
+  request its whole prompt, first row, first position and row count; vLLM's comes from
+  `eagle3.vllm_adapter.row_source`), each engine request is bound to a pending prompt with
+  the same tokens the first time it is seen. Prompts that are equal token for token have
+  equal states, so which one of them is bound does not matter. This also works when the
+  inner forward gets embeddings only (`input_ids=None`, as vLLM's multimodal wrappers do);
+  when it gets ids and positions they are checked against the row map.
+- without one, from `input_ids` and `positions`: a row at position p with token x belongs to
+  a request whose next uncaptured position is p and whose token at p is x, extended over
+  the following rows while tokens and positions keep agreeing. A wrong guess cannot go
+  unnoticed: the states it would mix up belong to prompts that agree on every token so far
+  (the target is causal, so those states are equal), and any other guess leaves a row that
+  matches nothing, which is an error.
 
 Guards that turn silent corruption into errors:
 - a layer hook firing outside the patched forward (something bypassed the patch);
@@ -23,7 +33,7 @@ Guards that turn silent corruption into errors:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +52,20 @@ class _Request:
     states: torch.Tensor  # [T, n_ids, H]
     coverage: torch.Tensor  # [T, n_ids] int32: times each (position, id) was written
     next_pos: int = 0  # first position not yet scheduled
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Rows [row, row + length) of the forward pass in flight are positions [pos, pos + length) of one engine request."""
+
+    request_key: str  # the engine's id of the request, stable across forward passes
+    prompt: Sequence[int]  # the request's whole prompt, token ids
+    row: int
+    pos: int
+    length: int
+
+
+RowSource = Callable[[], Sequence[RowSpan]]  # called inside each forward pass: the batch in flight
 
 
 @dataclass(frozen=True)
@@ -66,7 +90,9 @@ def _layer_state(output: object) -> torch.Tensor:
 class HiddenStateCapture:
     """Capture layer ids `layer_ids` (vLLM convention) from `stack` while `collecting()`."""
 
-    def __init__(self, stack: DecoderStack, layer_ids: Sequence[int], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, stack: DecoderStack, layer_ids: Sequence[int], dtype: torch.dtype = torch.float32, row_source: RowSource | None = None
+    ) -> None:
         n = stack.num_layers
         for k in layer_ids:
             if not 1 <= k <= n:
@@ -74,6 +100,9 @@ class HiddenStateCapture:
         self.stack = stack
         self.layer_ids = list(layer_ids)
         self.dtype = dtype
+        self.row_source = row_source
+        self._bound: dict[str, int] = {}  # engine request key -> prompt index, per collecting() block
+        self._unbound: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices not yet bound
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._original_forward = None
         self._requests: list[_Request] | None = None
@@ -114,12 +143,16 @@ class HiddenStateCapture:
             )
             for p in prompts
         ]
+        self._bound, self._unbound = {}, {}
+        for i, p in enumerate(prompts):
+            self._unbound.setdefault(tuple(int(t) for t in p), []).append(i)
         try:
             yield [r.states for r in self._requests]
             self._check_complete()
         finally:
             self._requests = None
             self._segments = None
+            self._bound, self._unbound = {}, {}
 
     def _check_complete(self) -> None:
         assert self._requests is not None
@@ -138,7 +171,10 @@ class HiddenStateCapture:
         assert self._original_forward is not None
         if self._requests is None:  # warm-up, profiling, ordinary generation: pass through
             return self._original_forward(input_ids, positions, *args, **kwargs)
-        self._segments = self._map_rows(input_ids, positions)
+        if self.row_source is not None:
+            self._segments = self._map_spans(self.row_source(), input_ids, positions)
+        else:
+            self._segments = self._map_rows(input_ids, positions)
         self._fired = set()
         out = self._original_forward(input_ids, positions, *args, **kwargs)
         if len(self._fired) != len(self.layer_ids):
@@ -152,7 +188,10 @@ class HiddenStateCapture:
         """Split the flattened batch into per-request segments by (position, token)."""
         assert self._requests is not None
         if input_ids is None:
-            raise CaptureError("the inner forward got no input_ids (embeddings only); this target needs a row map from the engine")
+            raise CaptureError(
+                "the inner forward got no input_ids (embeddings only, as multimodal wrappers do); pass the engine's "
+                "row map: HiddenStateCapture(..., row_source=eagle3.vllm_adapter.row_source(llm))"
+            )
         ids = input_ids.detach().to("cpu", torch.int64).reshape(-1)
         pos = positions.detach().to("cpu", torch.int64)
         pos = (pos[0] if pos.dim() == 2 else pos).reshape(-1)  # M-RoPE models pass [3, T]
@@ -180,6 +219,55 @@ class HiddenStateCapture:
             row += length
         self.rows_seen += total
         return segments
+
+    def _map_spans(self, spans: Sequence[RowSpan], input_ids: torch.Tensor | None, positions: torch.Tensor) -> list[_Segment]:
+        """Segments from the engine's row map; checked against the ids and positions the forward got."""
+        assert self._requests is not None
+        pos = positions.detach().to("cpu", torch.int64)
+        pos = (pos[0] if pos.dim() == 2 else pos).reshape(-1)  # M-RoPE models pass [3, T]
+        ids = None if input_ids is None else input_ids.detach().to("cpu", torch.int64).reshape(-1)
+        segments: list[_Segment] = []
+        next_row = 0
+        for span in spans:
+            index = self._bind(span)
+            req = self._requests[index]
+            if span.row != next_row or span.row + span.length > pos.shape[0]:
+                raise CaptureError(
+                    f"engine row map: request {span.request_key} claims rows {span.row}..{span.row + span.length - 1}, "
+                    f"expected to start at row {next_row} of a {pos.shape[0]}-row batch"
+                )
+            if span.pos != req.next_pos or span.pos + span.length > len(req.tokens):
+                raise CaptureError(
+                    f"engine row map: request {span.request_key} at positions {span.pos}..{span.pos + span.length - 1}, "
+                    f"but its prompt ({len(req.tokens)} tokens) was captured up to position {req.next_pos}"
+                )
+            rows = slice(span.row, span.row + span.length)
+            want = torch.arange(span.pos, span.pos + span.length)
+            if not torch.equal(pos[rows], want) or (ids is not None and not torch.equal(ids[rows], req.tokens[want])):
+                raise CaptureError(
+                    f"engine row map disagrees with the forward pass at rows {span.row}..{span.row + span.length - 1} "
+                    f"(request {span.request_key}): positions or token ids differ; refusing to guess"
+                )
+            req.next_pos = span.pos + span.length
+            segments.append(_Segment(request=index, row=span.row, pos=span.pos, length=span.length))
+            next_row += span.length
+        self.rows_seen += next_row  # rows past the last span are padding
+        return segments
+
+    def _bind(self, span: RowSpan) -> int:
+        """The prompt index of engine request `span.request_key`, binding it to an equal pending prompt on first sight."""
+        assert self._requests is not None
+        if span.request_key in self._bound:
+            return self._bound[span.request_key]
+        free = self._unbound.get(tuple(int(t) for t in span.prompt))
+        if not free:
+            raise CaptureError(
+                f"engine request {span.request_key} ({len(span.prompt)} prompt tokens) matches no pending prompt; "
+                "was it submitted outside this capture, or did the engine change the prompt?"
+            )
+        index = free.pop(0)
+        self._bound[span.request_key] = index
+        return index
 
     def _make_hook(self, slot: int):  # noqa: ANN202
         def hook(module: nn.Module, args: object, output: object) -> None:

@@ -9,7 +9,8 @@
 
 A checkpoint is assembled in a temporary sibling folder, fsynced, then renamed into
 place, so a folder named step-XXXXXX is complete unless the disk itself lost data;
-meta.json's checksums catch that too. Only the newest `keep` checkpoints are kept.
+meta.json's checksums catch that too. Only the newest `keep` checkpoints are kept, plus
+the ones named in `protect` (the trainer protects the best one by held-out acceptance).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,8 +73,9 @@ def save_checkpoint(
     meta: dict[str, object],
     *,
     keep: int = 2,
+    protect: Collection[str] = (),
 ) -> Path:
-    """Write checkpoint `step` under `root` atomically, then prune to the newest `keep`."""
+    """Write checkpoint `step` under `root` atomically, then prune to the newest `keep` (and `protect`ed names)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -96,7 +99,8 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync(root)
     for stale in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(stale)
+        if stale.name not in protect:
+            shutil.rmtree(stale)
     return final
 
 

@@ -30,7 +30,9 @@ token j+1 after row t. Rotary position of step j at row t: position(t) + j.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -180,13 +182,45 @@ def ttt_attention_mask(doc_ids: torch.Tensor, step: int) -> torch.Tensor:
     """Which keys a query at step `step` sees. doc_ids [L] -> bool [L, L*(step+1)].
 
     Key block 0 holds step-0 keys (causal, same document); block i >= 1 the keys of
-    step i, of which a row sees only its own (the diagonal).
+    step i, of which a row sees only its own (the diagonal). This dense mask is the
+    definition; `Eagle3Draft` computes the same attention without building it.
     """
     length = doc_ids.shape[0]
     rows = torch.arange(length, device=doc_ids.device)
     causal = (rows[:, None] >= rows[None, :]) & (doc_ids[:, None] == doc_ids[None, :])  # [L, L]
     diagonal = rows[:, None] == rows[None, :]  # [L, L]
     return torch.cat([causal] + [diagonal] * step, dim=1)  # [L, L*(step+1)]
+
+
+def sink_block_mask(doc_ids: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor | None:
+    """Mask of the step-0 block with one sink key and one dummy query in front: bool [L+1, L+1].
+
+    None when every row is one document: plain causal attention then (is_causal, flash kernels).
+    """
+    if doc_ids is None:
+        return None
+    doc = torch.cat([doc_ids.new_full((1,), -1), doc_ids])  # [L+1]; the sink belongs to no document
+    rows = torch.arange(length + 1, device=device)
+    mask = (rows[:, None] >= rows[None, :]) & (doc[:, None] == doc[None, :])  # [L+1, L+1]
+    mask[:, 0] = True  # every query sees the sink
+    return mask
+
+
+@dataclass
+class TTTCache:
+    """Keys and values of one unroll: step 0's for every row, and each later step's own."""
+
+    mask: torch.Tensor | None  # sink_block_mask(...) [L+1, L+1], or None for one document
+    block_keys: torch.Tensor | None = None  # [kvh, L, hd] step-0 keys (after RoPE)
+    block_values: torch.Tensor | None = None  # [kvh, L, hd]
+    own_keys: list[torch.Tensor] = field(default_factory=list)  # per step >= 1: [kvh, L, hd]
+    own_values: list[torch.Tensor] = field(default_factory=list)  # per step >= 1: [kvh, L, hd]
+
+
+def _hi_lo(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (fp32) as hi + lo in `dtype`, both exact enough that hi + lo ~ x to ~2^-16 relative in bf16."""
+    hi = x.detach().to(dtype)
+    return hi, (x - hi.float()).to(dtype)
 
 
 class Eagle3Draft(nn.Module):
@@ -208,36 +242,75 @@ class Eagle3Draft(nn.Module):
         """aux [L, n_aux, H] -> fused hidden [L, H]."""
         return self.fc(aux.flatten(-2))  # [L, n_aux*H] -> [L, H]
 
-    def _attend(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: list, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """x [L, 2H] -> attention output [L, H]; appends this step's (k, v) to `past`.
+    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+        """x [L, 2H] -> attention output [L, H]; adds this step's keys and values to `cache`.
 
-        The mask is dense over all steps' keys ([L, L*(step+1)], O(K*L^2) memory); on CUDA,
-        SDPA's memory-efficient kernel takes it in bf16. A flex-attention block mask would
-        skip the empty blocks; not needed at the sizes measured so far.
+        Step 0 is causal attention over the step-0 keys. At step j >= 1 a row also sees its
+        own keys of steps 1..j (ttt_attention_mask). Those j scores per row are computed
+        directly; their log-sum-exp s_d enters ONE attention call over the step-0 keys as a
+        "sink" key, prepended, whose score for row r is s_d(r) (an extra query dimension holds
+        s_d(r)*sqrt(hd), split into hi + lo so bf16 keeps it exact; the sink key holds 1 there)
+        and whose value is a one-hot extra dimension. The output's extra dimension is then the
+        sink's share p of the softmax, and
+            out = out[:hd] + p * (softmax-weighted mean of the row's own values)
+        is exactly attention under the dense mask, at the cost of plain causal attention (no
+        [L, L*(j+1)] mask; flash kernels on CUDA when the batch is one document).
         """
         c, attn = self.config, self.layers[0].self_attn
-        length = x.shape[0]
-        q = attn.q_proj(x).view(length, c.num_attention_heads, c.head_dim).transpose(0, 1)  # [heads, L, hd]
-        k = attn.k_proj(x).view(length, c.num_key_value_heads, c.head_dim).transpose(0, 1)  # [kvh, L, hd]
-        v = attn.v_proj(x).view(length, c.num_key_value_heads, c.head_dim).transpose(0, 1)  # [kvh, L, hd]
+        length, hd, groups = x.shape[0], c.head_dim, c.num_attention_heads // c.num_key_value_heads
+        q = attn.q_proj(x).view(length, c.num_attention_heads, hd).transpose(0, 1)  # [heads, L, hd]
+        k = attn.k_proj(x).view(length, c.num_key_value_heads, hd).transpose(0, 1)  # [kvh, L, hd]
+        v = attn.v_proj(x).view(length, c.num_key_value_heads, hd).transpose(0, 1)  # [kvh, L, hd]
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # bf16 under autocast: keeps attention in bf16
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        past.append((k, v))
-        keys = torch.cat([kv[0] for kv in past], dim=1)  # [kvh, L*(step+1), hd]
-        values = torch.cat([kv[1] for kv in past], dim=1)  # [kvh, L*(step+1), hd]
-        groups = c.num_attention_heads // c.num_key_value_heads
-        keys = keys.repeat_interleave(groups, dim=0)  # [heads, L*(step+1), hd]
-        values = values.repeat_interleave(groups, dim=0)  # [heads, L*(step+1), hd]
-        # A batch dimension of 1: the fused CUDA kernels (memory-efficient attention, which takes
-        # a mask) want 4-D inputs; without it SDPA falls back to its fp32 math path.
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None])[0]
+        if cache.block_keys is None:  # step 0
+            cache.block_keys, cache.block_values = k, v
+            out = self._block_attention(q, None, cache)  # [heads, L, hd]
+        else:
+            cache.own_keys.append(k)
+            cache.own_values.append(v)
+            q_groups = q.view(c.num_key_value_heads, groups, length, hd)  # [kvh, g, L, hd]
+            own_k = torch.stack(cache.own_keys)[:, :, None]  # [j, kvh, 1, L, hd]
+            own_v = torch.stack(cache.own_values)[:, :, None]  # [j, kvh, 1, L, hd]
+            scores = (q_groups[None].float() * own_k.float()).sum(-1) / math.sqrt(hd)  # [j, kvh, g, L]
+            sink_score = torch.logsumexp(scores, dim=0).reshape(c.num_attention_heads, length)  # [heads, L]
+            weights = torch.softmax(scores, dim=0)[..., None]  # [j, kvh, g, L, 1]
+            own_mean = (weights * own_v.float()).sum(0).reshape(c.num_attention_heads, length, hd)  # [heads, L, hd]
+            out = self._block_attention(q, sink_score, cache)  # [heads, L, hd + 1]
+            out = out[..., :hd] + out[..., hd:] * own_mean.to(out.dtype)  # [heads, L, hd]
         return attn.o_proj(out.transpose(0, 1).reshape(length, -1))  # [heads, L, hd] -> [L, heads*hd] -> [L, H]
 
+    def _block_attention(self, q: torch.Tensor, sink_score: torch.Tensor | None, cache: TTTCache) -> torch.Tensor:
+        """Attention over the step-0 keys (causal, same document), plus the sink when given.
+
+        q [heads, L, hd], sink_score [heads, L] or None -> [heads, L, hd] (no sink) or [heads, L, hd+1]
+        (the last column is the sink's softmax share).
+        """
+        c = self.config
+        keys, values = cache.block_keys, cache.block_values  # [kvh, L, hd]
+        groups, hd = c.num_attention_heads // c.num_key_value_heads, c.head_dim
+        if sink_score is None:  # step 0: causal (and same-document) attention, no sink
+            mask = None if cache.mask is None else cache.mask[1:, 1:]  # [L, L]
+            return _sdpa(q, keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0), mask)
+        heads, length = q.shape[0], q.shape[1]
+        width = -(-(hd + 2) // 8) * 8  # hd + 2 extra dimensions, padded to a multiple of 8 (flash kernels)
+        q_ext = q.new_zeros(heads, length + 1, width)  # row 0: a dummy query that sees only the sink
+        q_ext[:, 1:, :hd] = q
+        hi, lo = _hi_lo(sink_score.float() * math.sqrt(hd), q.dtype)  # [heads, L] each
+        q_ext[:, 1:, hd], q_ext[:, 1:, hd + 1] = hi, lo
+        k_ext = keys.new_zeros(keys.shape[0], length + 1, width)  # key 0: the sink
+        k_ext[:, 1:, :hd] = keys
+        k_ext[:, 0, hd : hd + 2] = 1.0  # sink score = (hi + lo) / sqrt(hd) = sink_score
+        v_ext = values.new_zeros(values.shape[0], length + 1, width)
+        v_ext[:, 1:, :hd] = values
+        v_ext[:, 0, hd] = 1.0  # the sink's value: one-hot in column hd
+        out = _sdpa(q_ext, k_ext.repeat_interleave(groups, 0), v_ext.repeat_interleave(groups, 0), cache.mask,
+                    scale=1.0 / math.sqrt(hd))  # [heads, L+1, width]
+        return out[:, 1:, : hd + 1]  # drop the dummy query and the padding
+
     def step(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: list, mask: torch.Tensor
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: TTTCache
     ) -> torch.Tensor:
         """One draft forward: embeds, hidden [L, H] -> output hidden [L, H] (before the final norm)."""
         layer = self.layers[0]
@@ -245,7 +318,7 @@ class Eagle3Draft(nn.Module):
         residual = normed_hidden if self.config.norm_before_residual else hidden
         x = torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1)  # [L, 2H]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)  # [L, hd] each
-        h = residual + self._attend(x, cos, sin, past, mask)  # [L, H]
+        h = residual + self._attend(x, cos, sin, cache)  # [L, H]
         return h + layer.mlp(layer.post_attention_layernorm(h))  # [L, H]
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -257,23 +330,39 @@ class Eagle3Draft(nn.Module):
         aux: torch.Tensor,
         step_tokens: torch.Tensor,
         positions: torch.Tensor,
-        doc_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
         embed: torch.Tensor,
     ) -> Iterator[torch.Tensor]:
         """Yield draft logits [L, draft_vocab] for TTT steps 0..K-1.
 
         aux [L, n_aux, H]: target aux states per row; step_tokens int64 [K, L]: the input
         token of each step (x_{t+1+j} at row t); positions int64 [L]: position of row t in
-        its document; doc_ids [L]: document of each row (packing); embed [V, H]: the
-        target's embedding (frozen).
+        its document; doc_ids [L]: document of each row (packing), or None when all rows are
+        one document (plain causal attention: the fast path); embed [V, H]: the target's
+        embedding (frozen).
         """
         hidden = self.fuse(aux)  # [L, H]
-        past: list = []
+        length = hidden.shape[0]
+        cache = TTTCache(mask=sink_block_mask(doc_ids, length, hidden.device))
         for step in range(step_tokens.shape[0]):
             embeds = F.embedding(step_tokens[step], embed).to(hidden.dtype)  # [L, H]
-            mask = ttt_attention_mask(doc_ids, step)  # [L, L*(step+1)]
-            hidden = self.step(embeds, hidden, positions + step, past, mask)  # [L, H]
+            hidden = self.step(embeds, hidden, positions + step, cache)  # [L, H]
             yield self.logits(hidden)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor:
+    """[heads, Lq, d] x [heads, Lk, d] -> [heads, Lq, d]; causal when `mask` is None.
+
+    A batch dimension of 1: the fused CUDA kernels want 4-D inputs; without it SDPA falls
+    back to its fp32 math path.
+    """
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None], is_causal=mask is None,
+        scale=scale,
+    )
+    return out[0]
 
 
 def ttt_alignment(

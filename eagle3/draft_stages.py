@@ -7,20 +7,22 @@ Same contract as eagle3.stages: settings + upstream records in, one whole artifa
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from eagle3 import data
 from eagle3.artifacts import StageRecord, building, mark_complete
-from eagle3.evaluate import EvalConfig, simulate_acceptance
+from eagle3.evaluate import AcceptanceReport, EvalConfig, simulate_acceptance
 from eagle3.export import export_draft
+from eagle3.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
+from eagle3.served_eval import ServedReport, heldout_prompts, served_acceptance
 from eagle3.stages import _done, stage_fingerprint
 from eagle3.store import StoreReader, atomic_write_text
 from eagle3.target import HEAD_FILE, TargetInfo
 from eagle3.target_head import load_target_head, read_target_config
-from eagle3.train import TrainConfig, train_draft
+from eagle3.train import EVALS, LOSSES, TrainConfig, train_draft
 from eagle3.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 
 VOCAB_FILE = "vocab.safetensors"
@@ -56,22 +58,32 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
               progress: TrainProgress | None = None) -> StageRecord:
-    """Trains in place (checkpoints under the artifact folder), so a killed run resumes."""
+    """Trains in place (checkpoints under the artifact folder), so a killed run resumes.
+
+    Every checkpoint is scored by simulated acceptance on the held-out store; the record's
+    `checkpoint` is the best one (the export takes it), `last_checkpoint` the last.
+    """
     final, done = _done(root, "train", fp)
     if done:
         return done
     info = TargetInfo.read(target.path)
+    heldout = extracted.path / "heldout"
     result = train_draft(
         config, store_dir=extracted.path / "train", target_dir=Path(info.model_dir), head_path=target.path / HEAD_FILE,
         vocab_path=vocab.path / VOCAB_FILE, out_dir=final, progress=progress,
+        heldout_store_dir=heldout if len(StoreReader(heldout)) else None,
     )
-    if result.checkpoint is None:
+    if result.checkpoint is None or result.best_checkpoint is None:
         raise RuntimeError(f"training in {final} ended without a checkpoint")
+    best = next((e for e in result.evals if e["checkpoint"] == result.best_checkpoint.name), None)
     stats = {
         "steps": result.steps_done, "final_loss": round(result.losses[-1], 5) if result.losses else float("nan"),
         "tokens_seen": result.tokens_seen, "seconds": round(result.seconds, 2),
         "resumed_from_step": -1 if result.resumed_from_step is None else result.resumed_from_step,
-        "checkpoint": str(Path(result.checkpoint).relative_to(final)),
+        "checkpoint": str(Path(result.best_checkpoint).relative_to(final)),
+        "last_checkpoint": str(Path(result.checkpoint).relative_to(final)),
+        "checkpoints_evaluated": len(result.evals),
+        "best_acceptance_length": round(best["acceptance_length"], 4) if best else -1.0,
     }
     return mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint=fp, stats=stats))
 
@@ -89,17 +101,24 @@ def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, ro
     checkpoint = trained.path / str(trained.stats["checkpoint"])
     export_draft(checkpoint, final, target_dir=Path(info.model_dir), aux_layer_ids=info.aux_layer_ids,
                  vocab_path=vocab.path / VOCAB_FILE)
-    stats = {"checkpoint": str(checkpoint), "bytes": sum(p.stat().st_size for p in final.iterdir() if p.is_file())}
+    stats = {"checkpoint": str(checkpoint), "train_dir": str(trained.path),
+             "bytes": sum(p.stat().st_size for p in final.iterdir() if p.is_file())}
     return mark_complete(final, StageRecord(stage="export", uri=str(final), fingerprint=fp, stats=stats))
 
 
 # -- evaluate ----------------------------------------------------------------------------
-def fingerprint_evaluate(config: EvalConfig, exported: StageRecord, extracted: StageRecord) -> str:
-    return stage_fingerprint("evaluate", config, exported.fingerprint, extracted.fingerprint)
+def fingerprint_evaluate(config: EvalConfig, exported: StageRecord, extracted: StageRecord,
+                         prepared: StageRecord | None = None) -> str:
+    upstream = [exported.fingerprint, extracted.fingerprint] + ([prepared.fingerprint] if prepared is not None else [])
+    return stage_fingerprint("evaluate", config, *upstream)
 
 
 def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord,
-                 root: Path, fp: str) -> StageRecord:
+                 root: Path, fp: str, prepared: StageRecord | None = None) -> StageRecord:
+    """(a) simulated acceptance on the held-out states; (b) with `config.served`, vLLM serving the
+    target with the draft on the held-out prompts (from `prepared`'s heldout.jsonl, or the
+    held-out store's token ids when no prepared record is given). Writes acceptance.json,
+    acceptance.md and the PNG plots."""
     final, done = _done(root, "evaluate", fp)
     if done:
         return done
@@ -107,15 +126,64 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
     if len(StoreReader(heldout)) == 0:
         raise ValueError("no held-out samples to evaluate on; raise data.heldout_fraction or data.max_samples")
     info = TargetInfo.read(target.path)
-    head = load_target_head(target.path / HEAD_FILE, read_target_config(Path(info.model_dir)))
+    target_config = read_target_config(Path(info.model_dir))
+    head = load_target_head(target.path / HEAD_FILE, target_config)
     report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens)
+    served = None
+    if config.served:
+        limit = target_config.max_position_embeddings - config.served_max_new_tokens - config.num_draft_tokens - 1
+        prompts = heldout_prompts(_heldout_pairs(prepared, heldout), config.served_max_prompts, limit)
+        served = served_acceptance(
+            Path(info.model_dir), exported.path, prompts, num_draft_tokens=config.num_draft_tokens,
+            max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
+            kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap,
+        )
     with building(final) as tmp:
+        plots = _plots(tmp, exported, report, served)
         payload = {"simulated": {"acceptance_length": report.acceptance_length, "per_position": report.per_position,
                                  "num_drafts": report.num_drafts,
                                  "served_acceptance_length": report.served_acceptance_length,
-                                 "served_num_drafts": report.served_num_drafts}}
+                                 "served_num_drafts": report.served_num_drafts},
+                   "served": served.to_dict() if served is not None else None, "plots": plots}
         atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
-        atomic_write_text(tmp / "acceptance.md", report.to_markdown())
+        atomic_write_text(tmp / "acceptance.md", _markdown(report, served, plots))
         stats = {"acceptance_length": round(report.acceptance_length, 4), "num_drafts": report.num_drafts,
                  "per_position": json.dumps([round(p, 4) for p in report.per_position])}
+        if served is not None:
+            stats |= {"served_acceptance_length": round(served.acceptance_length, 4),
+                      "served_identical_share": round(served.identical_share, 4),
+                      "served_near_ties": served.near_ties, "served_num_drafts": served.num_drafts,
+                      "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
+
+
+def _heldout_pairs(prepared: StageRecord | None, heldout_store: Path) -> Iterator[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of the held-out samples: prepared data when given, else the store's."""
+    if prepared is not None:
+        for sample in data.read_samples(prepared.path / "heldout.jsonl"):
+            yield sample.input_ids, sample.loss_mask
+        return
+    for sample in StoreReader(heldout_store):
+        yield sample.input_ids.tolist(), sample.loss_mask.tolist()
+
+
+def _plots(out: Path, exported: StageRecord, report: AcceptanceReport, served: ServedReport | None) -> list[str]:
+    """PNG plots into `out`: acceptance by position, and the training loss when its log is found."""
+    made = [plot_acceptance(report.per_position, served.per_position if served else None, out / ACCEPTANCE_PNG).name]
+    train_dir = Path(str(exported.stats.get("train_dir", "")))
+    losses = train_dir / LOSSES if str(train_dir) else None
+    if losses is not None and losses.is_file():
+        entries = [json.loads(line) for line in losses.read_text().splitlines() if line.strip()]
+        evals = [json.loads(line) for line in (train_dir / EVALS).read_text().splitlines() if line.strip()] \
+            if (train_dir / EVALS).is_file() else []
+        if entries:
+            made.append(plot_training_loss(entries, evals, out / LOSS_PNG).name)
+    return made
+
+
+def _markdown(report: AcceptanceReport, served: ServedReport | None, plots: list[str]) -> str:
+    parts = ["# Acceptance\n", "## (a) Simulated on held-out hidden states\n", report.to_markdown()]
+    parts += ["## (b) Served by vLLM (speculative decoding)\n",
+              served.to_markdown() if served is not None else "Not run (evaluate.served is off).\n"]
+    parts += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})\n" for name in plots]
+    return "\n".join(parts)

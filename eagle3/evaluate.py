@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +37,20 @@ class EvalConfig(BaseModel):
 
     num_draft_tokens: int = Field(
         default=3, ge=1, description="Draft tokens per draft (k), as vLLM's num_speculative_tokens."
+    )
+    served: bool = Field(
+        default=True, description="Also serve the target with the draft in vLLM (speculative decoding) on held-out "
+        "prompts and read vLLM's own acceptance counters (eagle3.served_eval); two target loads."
+    )
+    served_max_prompts: int = Field(default=64, ge=1, description="Held-out prompts the served evaluation generates from.")
+    served_max_new_tokens: int = Field(default=64, ge=1, description="Greedy tokens generated per prompt when served.")
+    served_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Dtype vLLM serves the target in ('auto': the checkpoint's)."
+    )
+    served_kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget of the served engines (GiB).")
+    near_tie_logprob_gap: float = Field(
+        default=0.1, ge=0, description="A greedy output that differs from the run without speculation counts as a "
+        "near-tie when the draft run's token is within this many nats of the top token at the first difference."
     )
 
 
@@ -115,10 +130,8 @@ def sample_accepted(
     states = sample.hidden_states.to(device=device, dtype=torch.float32)  # [T, n_aux+1, H]
     step_tokens, target_pos, _ = ttt_alignment(sample.input_ids, sample.loss_mask, k)  # [K, T] each
     positions = torch.arange(length, device=device)  # [T]
-    doc_ids = torch.zeros(length, dtype=torch.int64, device=device)  # [T]: one document
-    drafts = [
-        logits.argmax(-1)
-        for logits in model.unroll(states[:, :n_aux], step_tokens.to(device), positions, doc_ids, head.embed)
+    drafts = [  # doc_ids None: the rows are one document
+        logits.argmax(-1) for logits in model.unroll(states[:, :n_aux], step_tokens.to(device), positions, None, head.embed)
     ]  # K x [T] draft ids
     draft_ids = torch.stack(drafts).cpu()  # [K, T]
     draft_tokens = draft_ids + mapping.d2t[draft_ids]  # [K, T] target ids

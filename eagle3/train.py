@@ -9,7 +9,15 @@ mean over rows, the total is the mean over steps. AdamW, linear warm-up, cosine 
 Data: samples are packed (whole, in a seeded per-epoch permutation) into micro-batches of
 at most `batch_tokens` tokens; attention never crosses a sample boundary. The data
 position (epoch, cursor) is part of every checkpoint, so a resumed run sees exactly the
-batches the uninterrupted run would have seen.
+batches the uninterrupted run would have seen. Batches are read and packed ahead by a
+small thread pool (and copied to the GPU on a side stream), in the same order, so the
+device never waits for the disk while the trajectory stays the same.
+
+Checkpoints are scored by simulated acceptance on the held-out store (when given), logged
+to evals.jsonl; the best one is kept through pruning and named in the result: the export
+takes it, not the last one (acceptance can peak mid-training and then fall).
+
+Data parallel (torchrun): see eagle3.ddp; rank 0 writes checkpoints and logs.
 """
 
 from __future__ import annotations
@@ -17,9 +25,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import struct
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -28,18 +41,21 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors import safe_open
 
-from eagle3.checkpoint import Checkpoint, clean_temporaries, latest_valid_checkpoint, save_checkpoint
+from eagle3 import ddp
+from eagle3.checkpoint import Checkpoint, checkpoint_name, clean_temporaries, latest_valid_checkpoint, save_checkpoint
 from eagle3.draft import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
-from eagle3.store import Sample, StoreReader, atomic_write_text
+from eagle3.evaluate import simulate_acceptance
+from eagle3.store import FP8, Sample, StoreReader, atomic_write_text, dequantize_fp8
 from eagle3.target_head import TargetHead, load_target_head, read_target_config, target_logits
 from eagle3.vocab import VocabMapping, load_mapping
 
 log = logging.getLogger(__name__)
 
 LOSSES = "losses.jsonl"
+EVALS = "evals.jsonl"
 CHECKPOINTS = "checkpoints"
 # Settings that may change between an interrupted run and its resume.
-_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval"}
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads"}
 
 
 class TrainError(RuntimeError):
@@ -75,6 +91,13 @@ class TrainConfig(BaseModel):
     num_draft_tokens_eval: int = Field(
         default=3, ge=1, description="Draft tokens per draft when checkpoints are evaluated for acceptance."
     )
+    deterministic: bool | None = Field(
+        default=None, description="torch deterministic algorithms; None: on for the CPU (bitwise resume), off on "
+        "CUDA (deterministic attention backward is slower)."
+    )
+    loader_threads: int = Field(
+        default=2, ge=1, description="Threads that read and pack upcoming micro-batches while the device computes."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -93,50 +116,136 @@ class TrainResult:
     tokens_seen: int
     seconds: float
     resumed_from_step: int | None
+    best_checkpoint: Path | None = None  # highest held-out acceptance; the last checkpoint without a held-out store
+    evals: list[dict] = field(default_factory=list)  # evals.jsonl: step, acceptance_length, per_position, checkpoint
 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Packed samples. L = total tokens, K = TTT steps."""
+    """Packed samples. L = total tokens, K = TTT steps, n_aux aux states.
 
-    aux: torch.Tensor  # [L, n_aux, H]
-    final: torch.Tensor  # [L, H] target final states (before its norm)
+    For step j, row r's target distribution is the final state's at row r+1+j whenever its
+    weight is non-zero (ttt_alignment: a weighted row predicts a token inside its own sample),
+    so the loss reads it as a shifted slice, with no gather.
+    """
+
+    states: torch.Tensor  # [L, n_aux+1, H] as stored: [:, :n_aux] aux, [:, -1] final (before the target's norm)
+    scales: torch.Tensor | None  # [L, n_aux+1] float32 for fp8 stores (state = value * scale), else None
     step_tokens: torch.Tensor  # [K, L] int64 input token of each step
     positions: torch.Tensor  # [L] int64 position inside its sample
     doc_ids: torch.Tensor  # [L] int64 sample index inside the batch
-    target_rows: torch.Tensor  # [K, L] int64 row (in this batch) of the target distribution
     weights: torch.Tensor  # [K, L] float loss weight
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        return MicroBatch(**{k: None if getattr(self, k) is None else fn(getattr(self, k)) for k in _FIELDS})
+
+    def split_states(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [L, n_aux, H], final [L, H]) in `dtype`, dequantized from fp8 where stored so."""
+        states = self.states if self.scales is None else dequantize_fp8(self.states, self.scales, dtype)
+        states = states.to(dtype)
+        return states[:, :-1], states[:, -1]
+
+
+_FIELDS = tuple(MicroBatch.__dataclass_fields__)
+
 
 def pack(samples: list[Sample], steps: int, max_tokens: int) -> MicroBatch:
     """Concatenate samples (each cut to max_tokens) into one TTT micro-batch."""
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in MicroBatch.__dataclass_fields__}
-    offset = 0
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in _FIELDS if k != "scales"}
     for doc, sample in enumerate(samples):
         length = min(sample.num_tokens, max_tokens)
-        ids, mask = sample.input_ids[:length], sample.loss_mask[:length]
-        states = sample.hidden_states[:length]  # [T, n_aux+1, H]
-        step_tokens, target_pos, weights = ttt_alignment(ids, mask, steps)  # [K, T] each
-        parts["aux"].append(states[:, :-1])
-        parts["final"].append(states[:, -1])
+        step_tokens, _, weights = ttt_alignment(sample.input_ids[:length], sample.loss_mask[:length], steps)  # [K, T]
+        parts["states"].append(sample.hidden_states[:length])  # [T, n_aux+1, H]
         parts["step_tokens"].append(step_tokens)
         parts["positions"].append(torch.arange(length))
         parts["doc_ids"].append(torch.full((length,), doc))
-        parts["target_rows"].append(target_pos + offset)
+        parts["weights"].append(weights.float())
+    dims = {"step_tokens": 1, "weights": 1}
+    return MicroBatch(scales=None, **{k: torch.cat(v, dim=dims.get(k, 0)) for k, v in parts.items()})
+
+
+# -- reading micro-batches straight from the store's shards ------------------------------
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": FP8,
+                       "I64": torch.int64, "BOOL": torch.bool}
+
+
+@lru_cache(maxsize=4096)
+def _shard_header(path: str) -> tuple[int, dict]:
+    """(offset of the data section, header) of a safetensors file (the format's 8-byte length + JSON)."""
+    with open(path, "rb") as handle:
+        size = struct.unpack("<Q", handle.read(8))[0]
+        return 8 + size, json.loads(handle.read(size))
+
+
+def _read_rows(handle, path: str, name: str, rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read tensor `name` (its first `rows` rows) from an open shard into `out` (or a new tensor).
+
+    One read system call straight into the destination's memory (pinned, for the GPU), with
+    the GIL released: no intermediate copy, and reader threads do not stall the training loop.
+    """
+    start, header = _shard_header(path)
+    entry = header[name]
+    shape = list(entry["shape"])
+    if rows is not None:
+        shape[0] = min(shape[0], rows)
+    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    handle.seek(start + entry["data_offsets"][0])
+    done = 0
+    while done < nbytes:
+        got = handle.readinto(view[done:])
+        if not got:
+            raise TrainError(f"shard {path} ends inside tensor {name}; the store is damaged: re-run the extract stage")
+        done += got
+    return out
+
+
+def read_batch(locations: list[tuple[str, int]], indices: list[int], steps: int, max_tokens: int,
+               pin: bool) -> MicroBatch:
+    """The micro-batch of samples `indices` (locations[i] = (shard path, position in shard)), read
+    from the shards into one (pinned when `pin`) buffer; fp8 states stay fp8 (dequantized on the device)."""
+    heads = [_shard_header(locations[i][0])[1] for i in indices]
+    lengths = [min(h[f"{locations[i][1]}.input_ids"]["shape"][0], max_tokens) for h, i in zip(heads, indices, strict=True)]
+    first = heads[0][f"{locations[indices[0]][1]}.hidden_states"]
+    total, fp8 = sum(lengths), first["dtype"] == "F8_E4M3"
+    states = torch.empty([total, *first["shape"][1:]], dtype=_SAFETENSORS_DTYPES[first["dtype"]], pin_memory=pin)
+    scales = torch.empty([total, first["shape"][1]], dtype=torch.float32, pin_memory=pin) if fp8 else None
+    parts: dict[str, list[torch.Tensor]] = {"step_tokens": [], "positions": [], "doc_ids": [], "weights": []}
+    offset = 0
+    for doc, (index, length) in enumerate(zip(indices, lengths, strict=True)):
+        path, j = locations[index]
+        with open(path, "rb", buffering=0) as handle:
+            ids = _read_rows(handle, path, f"{j}.input_ids", length)  # [T]
+            mask = _read_rows(handle, path, f"{j}.loss_mask", length)  # [T]
+            _read_rows(handle, path, f"{j}.hidden_states", length, states[offset : offset + length])
+            if scales is not None:
+                _read_rows(handle, path, f"{j}.hidden_scales", length, scales[offset : offset + length])
+        step_tokens, _, weights = ttt_alignment(ids, mask, steps)  # [K, T] each
+        parts["step_tokens"].append(step_tokens)
+        parts["positions"].append(torch.arange(length))
+        parts["doc_ids"].append(torch.full((length,), doc))
         parts["weights"].append(weights.float())
         offset += length
-    dims = {"step_tokens": 1, "target_rows": 1, "weights": 1}
-    return MicroBatch(**{k: torch.cat(v, dim=dims.get(k, 0)) for k, v in parts.items()})
+    small = {k: torch.cat(v, dim=1 if k in ("step_tokens", "weights") else 0) for k, v in parts.items()}
+    return MicroBatch(states=states, scales=scales, **{k: v.pin_memory() if pin else v for k, v in small.items()})
+
+
+@lru_cache(maxsize=4)
+def _order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return tuple(torch.randperm(num_samples, generator=generator).tolist())
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     """The sample order of one epoch: a permutation fixed by (seed, epoch)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator)
+    return torch.tensor(_order(num_samples, seed, epoch))
 
 
 def next_batch_indices(
@@ -145,7 +254,7 @@ def next_batch_indices(
     """Sample indices of the next micro-batch and the new (epoch, cursor). Batches never span epochs."""
     if cursor >= len(lengths):
         epoch, cursor = epoch + 1, 0
-    order = epoch_order(len(lengths), seed, epoch).tolist()
+    order = _order(len(lengths), seed, epoch)
     chosen, used = [], 0
     while cursor < len(order):
         size = min(lengths[order[cursor]], max_tokens)
@@ -167,23 +276,64 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def kl_loss(draft_logits: torch.Tensor, target_logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted mean over rows of KL(target || draft). [L, Vd], [L, Vd], [L] -> scalar."""
+    """Weighted mean over rows of KL(target || draft). [L, Vd], [L, Vd], [L] -> scalar. The definition;
+    training computes the same with `fused_kl_loss`."""
     draft_logq = F.log_softmax(draft_logits.float(), dim=-1)  # [L, Vd]
     kl = (target_logp.exp() * (target_logp - draft_logq)).sum(-1)  # [L]
     return (kl * weights).sum() / weights.sum().clamp_min(1.0)
 
 
+class _FusedKL(torch.autograd.Function):
+    """kl_loss with few passes over the [L, Vd] logits: KL = sum p log p - sum p log q, where the
+    first term is precomputed per target row, and the gradient (softmax(z) - p) * w / sum(w) is
+    written in place. About a third of the memory traffic of the composed eager version."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, neg_entropy: torch.Tensor, weights: torch.Tensor):  # noqa: ANN001, ANN205
+        with torch.autocast(logits.device.type, enabled=False):
+            logq = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [L, Vd]
+            cross = torch.bmm(probs[:, None, :], logq[:, :, None]).view(-1)  # [L]: sum_v p log q
+            denom = weights.sum().clamp_min(1.0)
+            ctx.save_for_backward(logq, probs, weights, denom)
+            ctx.logits_dtype = logits.dtype
+            return ((neg_entropy - cross) * weights).sum() / denom
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        logq, probs, weights, denom = ctx.saved_tensors
+        out = logq.exp_()  # softmax(z), in place: logq is not needed again
+        out.sub_(probs).mul_((weights * (grad / denom))[:, None])  # [L, Vd]
+        return out.to(ctx.logits_dtype), None, None, None
+
+
+def fused_kl_loss(logits: torch.Tensor, probs: torch.Tensor, neg_entropy: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """kl_loss(logits, log(probs), weights) given probs [L, Vd] (fp32, rows sum to 1) and
+    neg_entropy [L] = sum_v p log p: logits [L, Vd] -> scalar."""
+    return _FusedKL.apply(logits, probs, neg_entropy, weights)
+
+
 def batch_loss(
-    model: Eagle3Draft, batch: MicroBatch, head: TargetHead, draft_rows: torch.Tensor
+    model: Eagle3Draft, batch: MicroBatch, head: TargetHead, one_doc: bool = False
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Mean-over-steps loss and the per-step losses of one micro-batch."""
+    """Mean-over-steps loss and the per-step losses of one micro-batch.
+
+    `head.lm_head` holds only the draft vocabulary's rows of the target's; its dtype is the
+    compute dtype. `one_doc`: the batch is one sample (plain causal attention).
+    """
+    aux, final = batch.split_states(head.embed.dtype)  # [L, n_aux, H], [L, H]
     with torch.no_grad():
-        logits = target_logits(head, batch.final, rows=draft_rows)  # [L, Vd]
-        target_logp = F.log_softmax(logits.float(), dim=-1)  # [L, Vd]
+        target_logp = F.log_softmax(target_logits(head, final).float(), dim=-1)  # [L, Vd]
+        probs = target_logp.exp()  # [L, Vd]
+        neg_entropy = (probs * target_logp).sum(-1)  # [L]
     per_step = []
-    drafts = model.unroll(batch.aux, batch.step_tokens, batch.positions, batch.doc_ids, head.embed)
+    drafts = model.unroll(aux, batch.step_tokens, batch.positions, None if one_doc else batch.doc_ids, head.embed)
     for step, draft_logits in enumerate(drafts):  # draft_logits [L, Vd]
-        per_step.append(kl_loss(draft_logits, target_logp[batch.target_rows[step]], batch.weights[step]))
+        rows = batch.num_tokens - 1 - step  # row r reads the target at r+1+step (see MicroBatch)
+        if rows <= 0:
+            per_step.append(draft_logits.sum() * 0.0)
+            continue
+        per_step.append(fused_kl_loss(draft_logits[:rows], probs[1 + step :], neg_entropy[1 + step :],
+                                      batch.weights[step, :rows]))
     return torch.stack(per_step).mean(), per_step
 
 
@@ -192,28 +342,25 @@ class _Run:
     """Everything train_draft holds between steps."""
 
     config: TrainConfig
-    reader: StoreReader
-    lengths: list[int]
+    locations: list[tuple[str, int]]  # sample i of the store: (shard path, position in the shard)
+    lengths: list[int]  # tokens of sample i
     model: Eagle3Draft
     optimizer: torch.optim.Optimizer
-    head: TargetHead
-    draft_rows: torch.Tensor
+    head: TargetHead  # its lm_head holds only the draft vocabulary's rows
+    mapping: VocabMapping
     device: torch.device
     autocast: bool
     meta: dict[str, object]
+    ctx: ddp.DistContext
     step: int = 0
     epoch: int = 0
     cursor: int = 0
     tokens_seen: int = 0
 
 
-def _device_and_autocast(config: TrainConfig) -> tuple[torch.device, bool]:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
-    return device, bf16
-
-
 def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Path, vocab_path: Path) -> _Run:
+    ctx = ddp.context_from_env()
+    ddp.check_grad_accum(config.grad_accum, ctx)
     reader = StoreReader(store_dir)
     target = read_target_config(target_dir)
     mapping: VocabMapping = load_mapping(vocab_path)
@@ -229,39 +376,121 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     draft_config = DraftConfig.from_target(
         target, num_aux_hidden_states=len(reader.aux_layer_ids), draft_vocab_size=mapping.draft_vocab_size
     )
-    device, bf16 = _device_and_autocast(config)
-    head = load_target_head(head_path, target)
+    device = ddp.device_for(ctx)
+    bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
+    full_head = load_target_head(head_path, target)
     model = Eagle3Draft(draft_config)
-    init_draft(model, head, mapping, config.seed)
+    init_draft(model, full_head, mapping, config.seed)
     model.to(device)
-    head = head.to(torch.bfloat16 if bf16 else torch.float32, device)
+    # Only the draft vocabulary's rows of the target's lm_head are ever used in training.
+    head = replace(full_head, lm_head=full_head.lm_head[mapping.target_ids]).to(
+        torch.bfloat16 if bf16 else torch.float32, device)
     decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate, betas=(0.9, 0.95),
+        lr=config.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
     meta = {"train_config": config.model_dump(), "draft_config": draft_config.model_dump(),
             "aux_layer_ids": reader.aux_layer_ids, "num_samples": len(reader)}
-    lengths = _sample_lengths(reader)
+    locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
+    lengths = [_shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in locations]
     if too_long := sum(length > config.batch_tokens for length in lengths):
         log.warning("%d of %d samples are longer than train.batch_tokens=%d; they are cut to that length",
                     too_long, len(lengths), config.batch_tokens)
-    return _Run(config, reader, lengths, model, optimizer, head, mapping.target_ids.to(device), device, bf16, meta)
+    return _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx)
 
 
-def _sample_lengths(reader: StoreReader) -> list[int]:
-    """Token count of every sample, in store order, from the shard headers (no tensor is read)."""
-    lengths = []
-    for entry in reader.shards:
-        with safe_open(str(reader.root / entry.file), framework="pt") as handle:
-            lengths += [handle.get_slice(f"{j}.input_ids").get_shape()[0] for j in range(len(entry.sample_ids))]
-    return lengths
+class _BatchStream:
+    """The run's micro-batches in order, read, packed (and copied to the GPU) ahead by a thread pool.
+
+    The sequence is fixed by (seed, epoch, cursor), exactly as next_batch_indices walks it; the
+    run's own (epoch, cursor) advances only when a batch is taken, so a checkpoint records the
+    position of the batches really trained on. Each process loads only the micro-batches it owns.
+    """
+
+    def __init__(self, run: _Run, depth: int = 4) -> None:
+        self.run, self.epoch, self.cursor, self.index = run, run.epoch, run.cursor, 0
+        self.pool = ThreadPoolExecutor(max_workers=run.config.loader_threads, thread_name_prefix="batches")
+        self.copy_stream = torch.cuda.Stream(run.device) if run.device.type == "cuda" else None
+        self.pending: deque[tuple[int, int, int, int, Future | None]] = deque()
+        for _ in range(depth):
+            self._submit()
+
+    def _submit(self) -> None:
+        c = self.run.config
+        indices, self.epoch, self.cursor = next_batch_indices(self.run.lengths, c.seed, self.epoch, self.cursor, c.batch_tokens)
+        tokens = sum(min(self.run.lengths[i], c.batch_tokens) for i in indices)
+        mine = self.run.ctx.owns(self.index % c.grad_accum)
+        future = self.pool.submit(self._load, indices) if mine else None
+        self.pending.append((self.epoch, self.cursor, tokens, len(indices), future))
+        self.index += 1
+
+    def _load(self, indices: list[int]) -> tuple[MicroBatch, torch.cuda.Event | None]:
+        run = self.run
+        batch = read_batch(run.locations, indices, run.config.ttt_steps, run.config.batch_tokens,
+                           pin=self.copy_stream is not None)
+        if self.copy_stream is None:
+            return batch.map(lambda t: t.to(run.device)), None
+        with torch.cuda.stream(self.copy_stream):  # host-to-device copies overlap the compute stream
+            moved = batch.map(lambda t: t.to(run.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return moved, event
+
+    def take(self) -> tuple[MicroBatch | None, int, bool]:
+        """The next micro-batch (None when another process owns it), its token count, and one_doc."""
+        epoch, cursor, tokens, num_docs, future = self.pending.popleft()
+        self._submit()
+        self.run.epoch, self.run.cursor = epoch, cursor
+        if future is None:
+            return None, tokens, num_docs == 1
+        batch, event = future.result()
+        if event is not None:
+            stream = torch.cuda.current_stream(self.run.device)
+            stream.wait_event(event)
+            for tensor in (getattr(batch, name) for name in _FIELDS):
+                if tensor is not None:
+                    tensor.record_stream(stream)  # allocated on the copy stream, used on this one
+        return batch, tokens, num_docs == 1
+
+    def close(self) -> None:
+        for *_, future in self.pending:
+            if future is not None:
+                future.cancel()
+        self.pool.shutdown(wait=True)
+
+
+def _train_step(run: _Run, stream: _BatchStream) -> tuple[float, list[float], float]:
+    """One optimizer step over grad_accum micro-batches: (loss, per-TTT-step losses, lr)."""
+    config = run.config
+    lr = lr_at(run.step, config)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.zero_grad(set_to_none=True)
+    sums = torch.zeros(1 + config.ttt_steps, dtype=torch.float64, device=run.device)  # [loss, per-step...]
+    for _ in range(config.grad_accum):
+        batch, tokens, one_doc = stream.take()
+        run.tokens_seen += tokens
+        if batch is None:
+            continue
+        with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
+            loss, losses = batch_loss(run.model, batch, run.head, one_doc)
+        (loss / config.grad_accum).backward()
+        sums += torch.stack([loss.detach(), *[x.detach() for x in losses]]).double() / config.grad_accum
+    ddp.sum_gradients(run.model.parameters(), run.ctx)
+    torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.max_grad_norm)
+    run.optimizer.step()
+    run.step += 1
+    values = ddp.sum_values(sums, run.ctx).tolist()  # one host sync per step
+    return values[0], values[1:], lr
 
 
 def _resume(run: _Run, out_dir: Path) -> int | None:
     """Load the newest valid checkpoint into `run`; returns its step (None when starting fresh)."""
-    clean_temporaries(out_dir / CHECKPOINTS)
+    if run.ctx.is_main:
+        clean_temporaries(out_dir / CHECKPOINTS)
+    ddp.barrier(run.ctx)
     found: Checkpoint | None = latest_valid_checkpoint(out_dir / CHECKPOINTS)
     if found is None:
         return None
@@ -293,7 +522,7 @@ def _check_compatible(found: Checkpoint, run: _Run) -> None:
         )
 
 
-def _save(run: _Run, out_dir: Path) -> Path:
+def _save(run: _Run, out_dir: Path, protect: set[str]) -> Path:
     state = {
         "optimizer": run.optimizer.state_dict(),
         "scheduler": {"kind": "warmup_cosine", "last_step": run.step},
@@ -302,43 +531,23 @@ def _save(run: _Run, out_dir: Path) -> Path:
         "data": {"epoch": run.epoch, "cursor": run.cursor},
         "tokens_seen": run.tokens_seen,
     }
-    return save_checkpoint(out_dir / CHECKPOINTS, run.step, run.model.state_dict(), state, run.meta)
+    return save_checkpoint(out_dir / CHECKPOINTS, run.step, run.model.state_dict(), state, run.meta, protect=protect)
 
 
-def _train_step(run: _Run) -> tuple[float, list[float], float]:
-    """One optimizer step over grad_accum micro-batches: (loss, per-TTT-step losses, lr)."""
-    config = run.config
-    lr = lr_at(run.step, config)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    run.optimizer.zero_grad(set_to_none=True)
-    total, per_step = 0.0, [0.0] * config.ttt_steps
-    for _ in range(config.grad_accum):
-        indices, run.epoch, run.cursor = next_batch_indices(
-            run.lengths, config.seed, run.epoch, run.cursor, config.batch_tokens
-        )
-        batch = _to_device(pack([run.reader[i] for i in indices], config.ttt_steps, config.batch_tokens), run)
-        with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
-            loss, losses = batch_loss(run.model, batch, run.head, run.draft_rows)
-        (loss / config.grad_accum).backward()
-        total += loss.item() / config.grad_accum
-        per_step = [a + b.item() / config.grad_accum for a, b in zip(per_step, losses, strict=True)]
-        run.tokens_seen += batch.num_tokens
-    torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.max_grad_norm)
-    run.optimizer.step()
-    run.step += 1
-    return total, per_step, lr
+def _evaluate(run: _Run, heldout: Path, head: TargetHead) -> dict:
+    """Simulated acceptance of the current weights on the held-out store (one evals.jsonl entry)."""
+    report = simulate_acceptance((run.model, run.mapping), heldout, head, run.config.num_draft_tokens_eval)
+    return {"step": run.step, "checkpoint": checkpoint_name(run.step), "acceptance_length": report.acceptance_length,
+            "per_position": report.per_position, "num_drafts": report.num_drafts}
 
 
-def _to_device(batch: MicroBatch, run: _Run) -> MicroBatch:
-    dtype = torch.bfloat16 if run.autocast else torch.float32
-    moved = {k: getattr(batch, k).to(run.device) for k in MicroBatch.__dataclass_fields__}
-    moved["aux"], moved["final"] = moved["aux"].to(dtype), moved["final"].to(dtype)
-    return MicroBatch(**moved)
+def best_eval(evals: list[dict]) -> dict | None:
+    """The entry with the highest acceptance length (the later one on a tie)."""
+    return max(reversed(evals), key=lambda e: e["acceptance_length"], default=None)
 
 
-def _read_losses(path: Path, up_to: int) -> list[dict]:
-    """Entries of losses.jsonl for steps <= up_to (later ones belong to a lost trajectory)."""
+def _read_jsonl(path: Path, up_to: int) -> list[dict]:
+    """Entries of a log (losses.jsonl, evals.jsonl) for steps <= up_to (later ones belong to a lost trajectory)."""
     if not path.is_file():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -355,6 +564,10 @@ def _read_losses(path: Path, up_to: int) -> list[dict]:
     return [e for e in entries if e["step"] <= up_to]
 
 
+def _write_jsonl(path: Path, entries: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in entries))
+
+
 def train_draft(
     config: TrainConfig,
     *,
@@ -365,27 +578,52 @@ def train_draft(
     out_dir: Path,
     progress: Callable[[int, int, float], None] | None = None,
     stop_after: int | None = None,
+    heldout_store_dir: Path | None = None,
 ) -> TrainResult:
-    """Train (or resume training) the draft; checkpoints and losses.jsonl go under out_dir.
+    """Train (or resume training) the draft; checkpoints, losses.jsonl and evals.jsonl go under out_dir.
 
     `stop_after` ends the call once the trajectory reaches that step, writing no extra
     checkpoint: it behaves like an interruption (tests use it to check resume).
+    `heldout_store_dir`: score every checkpoint by simulated acceptance there (see the module docstring).
     """
     started = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     previous_determinism = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic = config.deterministic if config.deterministic is not None else not torch.cuda.is_available()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
         run = _setup(config, Path(store_dir), Path(target_dir), Path(head_path), Path(vocab_path))
         resumed = _resume(run, out_dir)
-        history = _read_losses(out_dir / LOSSES, run.step)
-        _write_losses(out_dir / LOSSES, history)
-        last = None if resumed is None else out_dir / CHECKPOINTS / f"step-{resumed:06d}"
-        end = config.steps if stop_after is None else min(config.steps, stop_after)
-        with open(out_dir / LOSSES, "a") as losses_file:
+        result = _loop(run, out_dir, resumed, progress, stop_after, heldout_store_dir, Path(head_path), target_dir)
+    finally:
+        torch.use_deterministic_algorithms(previous_determinism)
+    return replace(result, seconds=time.monotonic() - started)
+
+
+def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[[int, int, float], None] | None,
+          stop_after: int | None, heldout: Path | None, head_path: Path, target_dir: Path) -> TrainResult:
+    config, main = run.config, run.ctx.is_main
+    history, evals = _read_jsonl(out_dir / LOSSES, run.step), _read_jsonl(out_dir / EVALS, run.step)
+    eval_head = load_target_head(head_path, read_target_config(target_dir)) if heldout is not None else None
+    last = None if resumed is None else out_dir / CHECKPOINTS / checkpoint_name(resumed)
+
+    def evaluate_checkpoint() -> None:
+        if main and eval_head is not None:
+            evals.append(_evaluate(run, Path(heldout), eval_head))
+            _write_jsonl(out_dir / EVALS, evals)
+
+    if main:
+        _write_jsonl(out_dir / LOSSES, history)
+        _write_jsonl(out_dir / EVALS, evals)
+        if resumed is not None and not any(e["step"] == resumed for e in evals):
+            evaluate_checkpoint()  # killed between writing this checkpoint and scoring it
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
+    stream = _BatchStream(run) if run.step < end else None
+    try:
+        with open(out_dir / LOSSES, "a") if main else open(os.devnull, "w") as losses_file:
             while run.step < end:
-                loss, per_step, lr = _train_step(run)
+                loss, per_step, lr = _train_step(run, stream)
                 entry = {"step": run.step, "loss": loss, "loss_per_ttt_step": per_step, "lr": lr,
                          "tokens_seen": run.tokens_seen}
                 history.append(entry)
@@ -394,18 +632,20 @@ def train_draft(
                 if progress is not None:
                     progress(run.step, config.steps, loss)
                 if run.step % config.checkpoint_every == 0 or run.step == config.steps:
-                    last = _save(run, out_dir)
+                    best = best_eval(evals)
+                    if main:
+                        _save(run, out_dir, protect={best["checkpoint"]} if best else set())
+                    last = out_dir / CHECKPOINTS / checkpoint_name(run.step)
+                    evaluate_checkpoint()
+                    ddp.barrier(run.ctx)
     finally:
-        torch.use_deterministic_algorithms(previous_determinism)
+        if stream is not None:
+            stream.close()
+    ddp.barrier(run.ctx)
+    evals = _read_jsonl(out_dir / EVALS, run.step)  # every process: rank 0 wrote them
+    best = best_eval(evals)
     return TrainResult(
-        checkpoint=last,
-        steps_done=run.step,
-        losses=[e["loss"] for e in history],
-        tokens_seen=run.tokens_seen,
-        seconds=time.monotonic() - started,
-        resumed_from_step=resumed,
+        checkpoint=last, steps_done=run.step, losses=[e["loss"] for e in history], tokens_seen=run.tokens_seen,
+        seconds=0.0, resumed_from_step=resumed, evals=evals,
+        best_checkpoint=out_dir / CHECKPOINTS / best["checkpoint"] if best else last,
     )
-
-
-def _write_losses(path: Path, entries: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in entries))

@@ -3,8 +3,11 @@
     eagle3 run (--preset tiny|demo | --config FILE.yaml) [--set key=value ...] [--run-dir DIR]
     eagle3 demo [--run-dir DIR]              same as: eagle3 run --preset demo
     eagle3 gpu-cleanup [--mode own|match|all] [--allow-all] [--dry-run] [--json] [--run-dir DIR]
+    eagle3 nightly (--preset tiny|demo | --config FILE.yaml) [--incoming DIR] [--registry DIR] [--set key=value ...]
+    eagle3 deploy [--timezone TZ] [--cron CRON] [--incoming DIR] [--registry DIR]
+    eagle3 serve [--port 4200] [--api-url URL] [deploy options]
 
-`run` prints one line per stage (stage, state, seconds, artifact), then the result table,
+`run` and `nightly` print one line per stage (stage, state, seconds, artifact), then the result table,
 writes <run-dir>/summary.json and exits non-zero when the flow failed. Errors are one line
 naming the value and the setting; `--verbose` also shows Prefect's own log on the console.
 """
@@ -32,6 +35,26 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", default="runs/demo")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.add_argument("--verbose", action="store_true")
+    nightly = sub.add_parser("nightly", help="run the nightly-eagle3 flow once (incremental retrain + promotion gate)")
+    source = nightly.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=["tiny", "demo"], help="pipeline settings of a built-in configuration")
+    source.add_argument("--config", type=Path, help="a YAML file of NightlyConfig settings")
+    nightly.add_argument("--incoming", help="folder or fsspec URL of dated files YYYY-MM-DD*.jsonl (= --set incoming=...)")
+    nightly.add_argument("--registry", help="registry folder or fsspec URL (= --set publish.registry=...)")
+    nightly.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override one setting, e.g. publish.tolerance=0.05 or pipeline.train.steps=100")
+    nightly.add_argument("--run-dir", help="folder of this run (= --set pipeline.run_dir=...)")
+    nightly.add_argument("--verbose", action="store_true", help="show Prefect's log on the console")
+    deploy = sub.add_parser("deploy", help="create the gpu work pool and concurrency limit, register the deployments")
+    serve = sub.add_parser("serve", help="one machine: Prefect server on 127.0.0.1 + deployments + a worker; Ctrl-C stops all")
+    for p in (deploy, serve):
+        p.add_argument("--timezone", default="UTC", help="timezone of the nightly schedule, e.g. Europe/Paris")
+        p.add_argument("--cron", default="0 2 * * *", help="schedule of nightly-eagle3 (default 02:00 every day)")
+        p.add_argument("--incoming", default="data/incoming", help="where dated conversation files arrive (nightly)")
+        p.add_argument("--registry", default="registry", help="where promoted drafts are published (nightly)")
+    serve.add_argument("--port", type=int, default=4200, help="port of the Prefect server (UI and API)")
+    serve.add_argument("--api-url", help="use this running Prefect server instead of starting one")
+    serve.add_argument("--log-dir", type=Path, default=Path("runs/serve"), help="where the server and worker logs go")
     gpu = sub.add_parser("gpu-cleanup", help="find and stop processes holding the GPUs, then verify with NVML")
     gpu.add_argument("--mode", choices=["own", "match", "all"], default="own")
     gpu.add_argument("--allow-all", action="store_true", help="confirm --mode all")
@@ -46,26 +69,19 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
-def _run(args: argparse.Namespace) -> int:
-    if not args.verbose:
+def _quiet_console(verbose: bool) -> None:
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")  # the library's logging in the run log
+    if not verbose:
         # Prefect logs still reach the server/UI; the console shows our stage lines only.
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
-    from eagle3.config import ConfigError, build_config
 
-    preset = "demo" if args.command == "demo" else args.preset
-    try:
-        config = build_config(preset, getattr(args, "config", None), args.overrides, args.run_dir)
-    except ConfigError as err:
-        return _fail(str(err), 2)
-    from flows.train_eagle3 import train_eagle3
 
-    print(f"eagle3: run dir {config.run_dir}; target {config.target.model}", flush=True)
-    state = train_eagle3(config, return_state=True)
-    summary_path = Path(config.run_dir) / "summary.json"
+def _print_outcome(state, run_dir: str) -> int:  # noqa: ANN001 - a prefect State
     from eagle3.summary import read_summary
 
+    summary_path = Path(run_dir) / "summary.json"
     if summary_path.is_file():
         summary = read_summary(summary_path)
         print()
@@ -74,6 +90,67 @@ def _run(args: argparse.Namespace) -> int:
     if state.is_failed():
         error = state.result(raise_on_failure=False)
         return _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    _quiet_console(args.verbose)
+    from eagle3.config import ConfigError, build_config
+
+    preset = "demo" if args.command == "demo" else args.preset
+    try:
+        config = build_config(preset, getattr(args, "config", None), args.overrides, args.run_dir)
+    except ConfigError as err:
+        return _fail(str(err), 2)
+    from flows.train_eagle3 import train_eagle3
+    from tasks.gpu import ensure_gpu_limit
+
+    ensure_gpu_limit()  # the setup of `eagle3 deploy`, for a server (or a temporary one) that never had it
+    print(f"eagle3: run dir {config.run_dir}; target {config.target.model}", flush=True)
+    state = train_eagle3(config, return_state=True)
+    return _print_outcome(state, config.run_dir)
+
+
+def _nightly(args: argparse.Namespace) -> int:
+    _quiet_console(args.verbose)
+    from eagle3.config import ConfigError
+    from eagle3.nightly import build_nightly_config
+
+    overrides = list(args.overrides)
+    overrides += [f"incoming={args.incoming}"] if args.incoming else []
+    overrides += [f"publish.registry={args.registry}"] if args.registry else []
+    try:
+        config = build_nightly_config(args.preset, args.config, overrides, args.run_dir)
+    except ConfigError as err:
+        return _fail(str(err), 2)
+    from flows.nightly import nightly_eagle3
+    from tasks.gpu import ensure_gpu_limit
+
+    ensure_gpu_limit()
+    print(f"eagle3 nightly: run dir {config.pipeline.run_dir}; incoming {config.incoming}; registry {config.publish.registry}",
+          flush=True)
+    state = nightly_eagle3(config, return_state=True)
+    gate = Path(config.pipeline.run_dir) / "nightly.json"
+    code = _print_outcome(state, config.pipeline.run_dir)
+    if gate.is_file() and isinstance(json.loads(gate.read_text()).get("gate"), dict):
+        decision = json.loads(gate.read_text())["gate"]
+        print(f"gate: {'promoted' if decision['promoted'] else 'not promoted'}: {decision['reason']}")
+    return code
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from flows.deploy import DeployError, DeploySettings, deploy, serve
+
+    settings = DeploySettings(timezone=args.timezone, cron=args.cron, incoming=args.incoming, registry=args.registry)
+    try:
+        if args.command == "serve":
+            return serve(settings, port=args.port, api_url=args.api_url, log_dir=args.log_dir)
+        deploy(settings)
+    except DeployError as err:
+        return _fail(str(err))
+    print("eagle3 deploy: work pool 'gpu' (1 run at a time), concurrency limit 'gpu', deployments "
+          f"train-eagle3 and nightly-eagle3 (cron {args.cron!r}, {args.timezone}). Start a worker: "
+          "prefect worker start --pool gpu")
     return 0
 
 
@@ -99,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("run", "demo"):
         return _run(args)
+    if args.command == "nightly":
+        return _nightly(args)
+    if args.command in ("deploy", "serve"):
+        return _deploy(args)
     return _gpu_cleanup(args)
 
 

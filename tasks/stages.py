@@ -1,8 +1,9 @@
 """One thin task per stage. Each takes typed settings + upstream records, calls one library
 function, and returns a small StageRecord (never a model or a tensor).
 
-Retries: only the stages that run an engine (regenerate, extract) retry, because an engine
-can die for reasons that a second attempt fixes; bad data or config fail at once.
+Retries (tasks.retry): only the stages that run an engine (regenerate, extract) retry, with
+delays, and only on transient failures: the engine died, the device ran out of memory (the
+extract retry then runs with half the batch), a timeout. Bad data or config fail at once.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
+from prefect.logging import get_run_logger
 
 from eagle3 import stages
 from eagle3.artifacts import StageRecord
@@ -18,6 +20,7 @@ from eagle3.extract import ExtractConfig
 from eagle3.regenerate import RegenerateConfig
 from eagle3.target import TargetConfig
 from tasks.progress import progress_reporter
+from tasks.retry import ENGINE_RETRY_DELAYS, batch_tokens_for_attempt, retry_transient, transient_failures
 
 
 @task(name="stage_target")
@@ -25,10 +28,12 @@ def stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str) -> 
     return stages.run_stage_target(config, cache_dir, root, fp)
 
 
-@task(name="regenerate", retries=1, retry_delay_seconds=5)
+@task(name="regenerate", retries=len(ENGINE_RETRY_DELAYS), retry_delay_seconds=ENGINE_RETRY_DELAYS,
+      retry_condition_fn=retry_transient)
 def regenerate(config: RegenerateConfig, data_config: DataConfig, target_config: TargetConfig, target: StageRecord,
                root: Path, fp: str, load_log: Path) -> StageRecord:
-    return stages.run_regenerate(config, data_config, target_config, target, root, fp, load_log)
+    with transient_failures():
+        return stages.run_regenerate(config, data_config, target_config, target, root, fp, load_log)
 
 
 @task(name="prepare_data")
@@ -37,7 +42,16 @@ def prepare_data(config: DataConfig, regenerated: StageRecord, target: StageReco
     return stages.run_prepare(config, regenerated, target, trust_remote_code, root, fp)
 
 
-@task(name="extract", retries=1, retry_delay_seconds=5)
+@task(name="extract", retries=len(ENGINE_RETRY_DELAYS), retry_delay_seconds=ENGINE_RETRY_DELAYS,
+      retry_condition_fn=retry_transient)
 def extract(config: ExtractConfig, target_config: TargetConfig, prepared: StageRecord, target: StageRecord,
             root: Path, fp: str, load_log: Path) -> StageRecord:
-    return stages.run_extract(config, target_config, prepared, target, root, fp, load_log, progress=progress_reporter("extract", "shards"))
+    batch = batch_tokens_for_attempt(config.batch_tokens)
+    if batch != config.batch_tokens:
+        # Same artifact (fp): batching changes how many tokens go through one prefill, not what is stored.
+        get_run_logger().warning("extract: out of memory before; retrying with extract.batch_tokens=%d (was %d)",
+                                 batch, config.batch_tokens)
+        config = config.model_copy(update={"batch_tokens": batch})
+    with transient_failures():
+        return stages.run_extract(config, target_config, prepared, target, root, fp, load_log,
+                                  progress=progress_reporter("extract", "shards"))

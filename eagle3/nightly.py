@@ -1,0 +1,79 @@
+"""NightlyConfig: the settings of the nightly retraining run (flows/nightly.py).
+
+The nightly run trains on every dated file under `incoming` (or the last `window_days`),
+starting from the served draft's weights when it can, and promotes the new draft into the
+registry only when the gate of eagle3.publish lets it. `pipeline` holds the settings of
+every stage as in a train_eagle3 run; its data.source is replaced by each incoming file.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eagle3.config import PRESETS, ConfigError, PipelineConfig, format_validation_error, parse_set
+from eagle3.publish import PublishConfig
+
+
+class NightlyConfig(BaseModel):
+    """All settings of one nightly run. Shown as a form in the Prefect UI."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline: PipelineConfig = Field(
+        default_factory=lambda: PipelineConfig(run_dir="runs/nightly"),
+        description="Settings of every stage, as for train-eagle3; data.source is replaced by each incoming file",
+    )
+    incoming: str = Field(
+        default="data/incoming",
+        description="Folder or fsspec URL of dated conversation files YYYY-MM-DD*.jsonl (eagle3 JSONL: one conversation a line)",
+    )
+    window_days: int | None = Field(
+        default=None, ge=1, description="Train on the files of the last N days only (default: every file)"
+    )
+    today: date | None = Field(
+        default=None, description="Run as of this date, YYYY-MM-DD (default: today); later files wait for their day"
+    )
+    warm_start: bool = Field(
+        default=True, description="Start training from the served draft's weights (and keep its vocabulary)"
+    )
+    publish: PublishConfig = Field(default_factory=PublishConfig, description="Registry and promotion gate")
+
+    @property
+    def run_date(self) -> date:
+        return self.today or date.today()
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def build_nightly_config(preset: str | None = None, config_file: Path | None = None, overrides: list[str] | None = None,
+                         run_dir: str | None = None) -> NightlyConfig:
+    """pipeline = the preset; then the YAML file, then --set overrides (e.g. publish.tolerance=0.1), then --run-dir."""
+    raw: dict = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
+        raw = {"pipeline": _merge(PRESETS[preset], {"run_dir": f"runs/nightly-{preset}"})}
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
+        raw = _merge(raw, loaded)
+    raw = _merge(raw, parse_set(overrides or []))
+    if run_dir is not None:
+        raw = _merge(raw, {"pipeline": {"run_dir": run_dir}})
+    try:
+        return NightlyConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None

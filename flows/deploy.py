@@ -1,0 +1,153 @@
+"""Setting up a Prefect server for eagle3: `eagle3 deploy` and `eagle3 serve`.
+
+deploy: creates the `gpu` process work pool (concurrency 1) and the `gpu` global
+concurrency limit, then applies deployments/prefect.yaml with `prefect deploy --all`
+(deployments train-eagle3 and nightly-eagle3). Idempotent: run it again after a change.
+
+serve (one machine): starts `prefect server start --host 127.0.0.1` (or uses --api-url),
+deploys, and starts a worker on the `gpu` pool. Ctrl-C (or SIGTERM) stops the worker, then
+the server, each with a grace period, and kills whatever of them is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
+WORK_POOL = "gpu"
+
+
+@dataclass(frozen=True)
+class DeploySettings:
+    """The values deployments/prefect.yaml takes from the environment."""
+
+    timezone: str = "UTC"
+    cron: str = "0 2 * * *"
+    incoming: str = "data/incoming"
+    registry: str = "registry"
+
+    def env(self) -> dict[str, str]:
+        return {"EAGLE3_PROJECT_DIR": str(ROOT), "EAGLE3_NIGHTLY_TIMEZONE": self.timezone, "EAGLE3_NIGHTLY_CRON": self.cron,
+                "EAGLE3_INCOMING": self.incoming, "EAGLE3_REGISTRY": self.registry}
+
+
+class DeployError(RuntimeError):
+    """Setting up the server failed; the message says which step."""
+
+
+def ensure_work_pool(name: str = WORK_POOL, concurrency: int = 1) -> None:
+    """A process work pool `name` that runs `concurrency` flow runs at a time."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            pool = client.read_work_pool(name)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", concurrency_limit=concurrency))
+            return
+        if pool.type != "process":
+            raise DeployError(f"work pool {name!r} exists with type {pool.type!r}; expected 'process' (delete it or rename ours)")
+        if pool.concurrency_limit != concurrency:
+            client.update_work_pool(name, WorkPoolUpdate(concurrency_limit=concurrency))
+
+
+def deploy(settings: DeploySettings, api_url: str | None = None) -> None:
+    """Work pool + concurrency limit + `prefect deploy --all` of deployments/prefect.yaml."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.gpu import ensure_gpu_limit
+
+    updates = {PREFECT_API_URL: api_url} if api_url else {}
+    with temporary_settings(updates=updates):
+        ensure_work_pool()
+        ensure_gpu_limit()
+        env = os.environ | settings.env() | ({"PREFECT_API_URL": api_url} if api_url else {})
+        done = subprocess.run([sys.executable, "-m", "prefect", "deploy", "--no-prompt", "--all", "--prefect-file",
+                               str(PREFECT_FILE)], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise DeployError(f"prefect deploy --all --prefect-file {PREFECT_FILE} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+
+
+def wait_healthy(api_url: str, proc: subprocess.Popen | None, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{api_url}/health", timeout=2)
+            return
+        except OSError:
+            if proc is not None and proc.poll() is not None:
+                raise DeployError(f"prefect server exited with code {proc.returncode} before answering {api_url}/health") from None
+            time.sleep(0.5)
+    raise DeployError(f"no answer from {api_url}/health within {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen, first: int, grace: float) -> None:
+    """Signal the process group, wait `grace` seconds, then kill what is left of it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, first)
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # children of the group (flow runs) that outlived their parent
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def serve(settings: DeploySettings, *, host: str = "127.0.0.1", port: int = 4200, api_url: str | None = None,
+          log_dir: Path = Path("runs/serve")) -> int:
+    """Server (unless api_url) + deployments + worker, until Ctrl-C or SIGTERM. Returns the exit code."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    children: list[tuple[str, subprocess.Popen, int, float]] = []
+    env = dict(os.environ)
+    try:
+        if api_url is None:
+            api_url = f"http://{host}:{port}/api"
+            server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
+                                      env=env, stdout=open(log_dir / "server.log", "a"), stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            children.append(("server", server, signal.SIGTERM, 20))
+            print(f"eagle3 serve: prefect server pid {server.pid}, log {log_dir / 'server.log'}", flush=True)
+        wait_healthy(api_url, children[0][1] if children else None)
+        env["PREFECT_API_URL"] = api_url
+        if stop.is_set():
+            return 0
+        deploy(settings, api_url)
+        if stop.is_set():
+            return 0
+        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+                                  cwd=ROOT, env=env, stdout=open(log_dir / "worker.log", "a"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        children.insert(0, ("worker", worker, signal.SIGINT, 30))
+        print(f"eagle3 serve: worker pid {worker.pid} on pool {WORK_POOL!r}, log {log_dir / 'worker.log'}", flush=True)
+        print(f"eagle3 serve: ready. UI {api_url.removesuffix('/api')}  (deployments train-eagle3/train-eagle3, "
+              f"nightly-eagle3/nightly-eagle3; Ctrl-C stops everything)", flush=True)
+        while not stop.wait(1.0):
+            for name, proc, _, _ in children:
+                if proc.poll() is not None:
+                    print(f"eagle3 serve: the {name} exited with code {proc.returncode}; stopping", file=sys.stderr, flush=True)
+                    return 1
+        return 0
+    finally:
+        for name, proc, sig, grace in children:  # the worker first, then the server
+            _stop(proc, sig, grace)
+        if children:
+            print("eagle3 serve: stopped " + ", ".join(name for name, *_ in children), flush=True)

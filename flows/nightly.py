@@ -1,0 +1,147 @@
+"""The nightly-eagle3 flow: retrain on the traffic that arrived, promote only a draft that is not worse.
+
+gpu_cleanup -> stage_target -> per dated file: regenerate -> prepare_data -> extract
+-> gpu_cleanup -> assemble -> vocab (the served draft's, on a warm start) -> train (from the
+served draft's weights) -> export -> evaluate (candidate) -> evaluate (served draft, same
+held-out set) -> publish (the gate)
+
+Files that were there last night come back Cached at every stage: only the new ones are
+regenerated and extracted. The gate (eagle3.publish) compares both drafts on the same
+held-out set; a refused candidate ends the run Completed, with a "Not promoted" artifact,
+and the registry untouched. <run_dir>/nightly.json records files, shards extracted per
+file in this run, and the gate's decision.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from eagle3 import draft_stages, incremental, stages, vllm_adapter
+from eagle3.artifacts import StageRecord
+from eagle3.config import PipelineConfig
+from eagle3.fingerprint import fingerprint
+from eagle3.nightly import NightlyConfig
+from eagle3.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
+from eagle3.store import atomic_write_text
+from eagle3.summary import RunSummary, write_summary
+from flows.report import run_report
+from flows.runner import StageRunner
+from flows.train_eagle3 import with_prepared
+from tasks import draft as draft_tasks
+from tasks import nightly as nightly_tasks
+from tasks import stages as data_tasks
+from tasks.gpu import gpu_cleanup, gpu_slot
+
+Part = tuple[str, StageRecord, StageRecord]  # (file label, prepared, extracted)
+
+
+def _part(run: StageRunner, p: PipelineConfig, file: incremental.IncomingFile, target: StageRecord, load_log: Path) -> tuple[Part, dict]:
+    """regenerate -> prepare_data -> extract for one dated file; returns the part and what extract did."""
+    label = Path(file.name).stem
+    data = p.data.model_copy(update={"source": str(incremental.local_copy(file, p.artifacts / "incoming"))})
+    regen = run.stage("regenerate", data_tasks.regenerate,
+                      stages.fingerprint_regenerate(p.regenerate, data, target, p.target.max_model_len), label=f"regenerate {label}",
+                      config=p.regenerate, data_config=data, target_config=p.target, target=target, load_log=load_log)
+    prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(data, regen, target),
+                         label=f"prepare_data {label}", config=data, regenerated=regen, target=target,
+                         trust_remote_code=p.target.trust_remote_code)
+    extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(p.extract, p.target, prepared, target),
+                          label=f"extract {label}", config=p.extract, target_config=p.target, prepared=prepared, target=target,
+                          load_log=load_log)
+    fresh = run.rows[-1].state != "Cached"
+    written = sum(int(extracted.stats.get(f"{s}_shards_written", 0)) for s in ("train", "heldout")) if fresh else 0
+    return (label, prepared, extracted), {"file": file.name, "extract": run.rows[-1].state, "shards_extracted": written,
+                                          "samples": sum(int(extracted.stats.get(f"{s}_samples", 0)) for s in ("train", "heldout"))}
+
+
+def _evaluate(run: StageRunner, p: PipelineConfig, label: str, target: StageRecord, exported: StageRecord,
+              assembled: StageRecord) -> StageRecord:
+    fp = draft_stages.fingerprint_evaluate(p.eval, exported, assembled, **with_prepared(draft_stages.fingerprint_evaluate, assembled))
+    return run.stage("evaluate", draft_tasks.evaluate, fp, label=label, config=p.eval, target=target, exported=exported,
+                     extracted=assembled, **with_prepared(draft_tasks.evaluate, assembled))
+
+
+def _train(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: StageRecord, vocab: StageRecord,
+           parent: Path | None, served: PublishedDraft | None) -> StageRecord:
+    fp = draft_stages.fingerprint_train(p.train, assembled, vocab, target)
+    if parent is None or served is None:
+        return run.stage("train", draft_tasks.train, fp, config=p.train, target=target, extracted=assembled, vocab=vocab)
+    return run.stage("train", nightly_tasks.warm_train, fingerprint("warm-start", fp, served.export_fingerprint),
+                     label="train (warm)", config=p.train, target=target, extracted=assembled, vocab=vocab, init_from=parent)
+
+
+def _candidate(exported: StageRecord, evaluated: StageRecord, assembled: StageRecord, served: PublishedDraft | None,
+               warm: bool) -> PublishedDraft:
+    return PublishedDraft(
+        draft_id=exported.fingerprint[:16], acceptance_length=float(evaluated.stats["acceptance_length"]),
+        per_position=json.loads(str(evaluated.stats.get("per_position", "[]"))),
+        heldout_samples=int(assembled.stats["heldout_samples"]), train_samples=int(assembled.stats["train_samples"]),
+        train_tokens=int(assembled.stats["train_tokens"]), data_files=json.loads(str(assembled.stats["files"])),
+        parent_draft=served.draft_id if served else None, warm_start=warm, export_fingerprint=exported.fingerprint,
+        code_version=code_version(), created_at=utc_now(),
+    )
+
+
+@flow(name="nightly-eagle3", log_prints=False)
+def nightly_eagle3(config: NightlyConfig) -> RunSummary:
+    p = config.pipeline
+    run_dir = Path(p.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    load_log = run_dir / "logs" / "target_loads.jsonl"
+    run = StageRunner(p.artifacts)
+    files = incremental.discover(config.incoming, today=config.run_date, window_days=config.window_days)
+    served = read_current(config.publish.registry)
+    night: dict[str, object] = {"files": [f.name for f in files], "served_before": served.draft_id if served else None,
+                                "new_files": [f.name for f in files if served is None or Path(f.name).stem not in served.data_files]}
+    outcome: dict[str, object] = {}
+    trained = None
+    try:
+        with gpu_slot(run_dir, "target"):
+            run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir)
+            target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(p.target),
+                               config=p.target, cache_dir=p.builtin_cache)
+            done = [_part(run, p, file, target, load_log) for file in files]
+            vllm_adapter.release_all()
+            run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir)
+        parts = [part for part, _ in done]
+        night["parts"] = [info for _, info in done]
+        assembled = run.stage("assemble", nightly_tasks.assemble, incremental.fingerprint_assemble(parts), parts=parts)
+        warm = bool(config.warm_start and served and nightly_tasks.warm_start_supported())
+        parent = fetch_draft(served, config.publish.registry, p.artifacts) if served else None
+        if warm and parent is not None and served is not None:
+            vocab = run.stage("vocab", nightly_tasks.parent_vocab, fingerprint("parent-vocab", served.export_fingerprint),
+                              label="vocab (served)", draft_dir=parent, draft_id=served.draft_id)
+        else:
+            vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(p.vocab, assembled),
+                              config=p.vocab, prepared=assembled, target=target)
+        night["warm_start"] = warm
+        with gpu_slot(run_dir, "draft"):
+            trained = _train(run, p, target, assembled, vocab, parent if warm else None, served)
+            exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(trained),
+                                 target=target, trained=trained, vocab=vocab)
+            outcome["export_dir"] = exported.uri
+            evaluated = _evaluate(run, p, "evaluate", target, exported, assembled)
+            outcome |= {"acceptance_length": evaluated.stats["acceptance_length"], "evaluation": evaluated.uri}
+            served_acceptance = None
+            if served is not None and parent is not None:
+                parent_export = StageRecord(stage="export", uri=str(parent), fingerprint=served.export_fingerprint)
+                served_acceptance = float(_evaluate(run, p, "evaluate (served)", target, parent_export, assembled).stats["acceptance_length"])
+            vllm_adapter.release_all()
+        night["gate"] = run.uncached("publish", nightly_tasks.publish_gate, config=config.publish,
+                                     candidate=_candidate(exported, evaluated, assembled, served, warm),
+                                     served_acceptance=served_acceptance, exported=exported, vocab=vocab)
+    finally:
+        vllm_adapter.release_all()
+        summary = RunSummary(stages=list(run.rows), **outcome)
+        write_summary(run_dir / "summary.json", summary)
+        atomic_write_text(run_dir / "nightly.json", json.dumps(night, indent=1, default=str) + "\n")
+        gate = night.get("gate")
+        extra = ["## Gate", (f"{'Promoted' if gate['promoted'] else 'Not promoted'}: {gate['reason']}"
+                             if isinstance(gate, dict) else "_the run ended before the gate_")]
+        report = run_report(summary, run_dir, title="nightly-eagle3", sources=[trained.path if trained else None], extra=extra)
+        create_markdown_artifact(key="eagle3-nightly-summary", markdown=report, description="stages, acceptance, gate")
+    return summary

@@ -1,0 +1,178 @@
+"""`eagle3 serve` for real: a `prefect server start`, the deployments of deployments/prefect.yaml, a
+worker on the `gpu` pool; the train-eagle3 deployment run on the tiny preset, failed, retried,
+Completed; two runs started together taking turns on the GPUs; Ctrl-C stopping all of it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import build_config
+from tests.e2e.conftest import ROOT, _free_port
+
+SMALL = ["data.max_samples=16", "regenerate.max_new_tokens=8", "train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3"]
+UPSTREAM = ["stage_target", "regenerate", "prepare_data", "extract", "vocab"]
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    api_url: str
+    env: dict[str, str]
+    lines: list[str] = field(default_factory=list)
+
+    def pid(self, name: str) -> int:
+        return int(next(m.group(1) for line in self.lines if (m := re.search(rf"{name} pid (\d+)", line))))
+
+
+@contextlib.contextmanager
+def _api(url: str):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, builtin_cache) -> Served:
+    home = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
+        "EAGLE3_CACHE_DIR": str(builtin_cache)}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), "--timezone", "Europe/Paris",
+                             "--log-dir", str(home / "logs")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = Served(proc, f"http://127.0.0.1:{port}/api", env | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+    threading.Thread(target=lambda: out.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.time() + 400
+    while not any("ready" in line for line in out.lines):
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError("eagle3 serve did not get ready:\n" + "".join(out.lines)[-4000:])
+        time.sleep(0.5)
+    yield out
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_serve_registers_the_pool_the_limit_and_both_deployments(served: Served):
+    with _api(served.api_url) as client:
+        pool = client.read_work_pool("gpu")
+        assert (pool.type, pool.concurrency_limit) == ("process", 1)
+        assert client.read_global_concurrency_limit_by_name("gpu").limit == 1
+        nightly = client.read_deployment_by_name("nightly-eagle3/nightly-eagle3")
+        train = client.read_deployment_by_name("train-eagle3/train-eagle3")
+    (schedule,) = nightly.schedules
+    assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("0 2 * * *", "Europe/Paris", True)
+    assert train.schedules == []  # manual trigger only
+    assert nightly.parameters["config"]["publish"]["registry"] == "registry" and nightly.work_pool_name == "gpu"
+    form = train.parameter_openapi_schema["definitions"]  # what the UI's run form is built from
+    assert form["TrainConfig"]["properties"]["steps"]["exclusiveMinimum"] == 0
+    assert form["ExtractConfig"]["properties"]["storage_dtype"]["enum"] == ["auto", "float32", "bfloat16", "float8_e4m3"]
+    assert "description" in form["PipelineConfig"]["properties"]["run_dir"]
+
+
+def _states(run_dir: Path) -> dict[str, str]:
+    return {r["name"]: r["state"] for r in json.loads((run_dir / "summary.json").read_text())["stages"] if r["name"] != "gpu_cleanup"}
+
+
+def _wait_final(client, flow_run_id, timeout: float = 600):  # noqa: ANN001, ANN202
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        run = client.read_flow_run(flow_run_id)
+        if run.state.is_final():
+            return run
+        time.sleep(1)
+    raise TimeoutError(f"flow run {flow_run_id} did not finish in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def retried(served: Served, tmp_path_factory) -> dict:
+    """A train-eagle3 deployment run that fails at train (its artifact folder is a file), then is retried."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    run_dir = tmp_path_factory.mktemp("deployed") / "run"
+    (run_dir / "artifacts").mkdir(parents=True)
+    (run_dir / "artifacts" / "train").write_text("a file where the train artifacts go: the stage cannot write")
+    config = build_config("tiny", run_dir=str(run_dir), overrides=SMALL)
+    with temporary_settings(updates={PREFECT_API_URL: served.api_url}):
+        first = run_deployment("train-eagle3/train-eagle3", parameters={"config": config.model_dump(mode="json")}, timeout=900)
+    failed = {"state": first.state.name, "stages": _states(run_dir)}
+    (run_dir / "artifacts" / "train").unlink()
+    retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(first.id)], env=served.env,
+                           capture_output=True, text=True, timeout=120)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    with _api(served.api_url) as client:
+        final = _wait_final(client, first.id)
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        reports = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id])))
+    return {"run_dir": run_dir, "failed": failed, "final": final, "reports": reports}
+
+
+def test_a_failed_run_retried_reruns_only_the_failed_stage_and_what_follows(retried: dict):
+    assert retried["failed"]["state"] == "Failed"
+    assert retried["failed"]["stages"]["train"] == "Failed"
+    assert {s: retried["failed"]["stages"][s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Completed")
+    assert retried["final"].state.name == "Completed" and retried["final"].run_count >= 2  # same run id, retried
+    states = _states(retried["run_dir"])
+    assert {s: states[s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Cached")
+    assert [states[s] for s in ("train", "export", "evaluate")] == ["Completed"] * 3
+    assert len((retried["run_dir"] / "logs" / "target_loads.jsonl").read_text().splitlines()) == 1  # never loaded again
+    report = next(a.data for a in retried["reports"] if a.key == "eagle3-run-summary" and "completed" in a.data.splitlines()[0])
+    assert "| extract | Cached |" in report and "| train | Completed |" in report and "## Acceptance" in report
+
+
+def _blocks(run_dir: Path) -> list[tuple[float, float]]:
+    events = [json.loads(line) for line in (run_dir / "logs" / "gpu_slot.jsonl").read_text().splitlines()]
+    starts = [e["time"] for e in events if e["event"] == "acquired"]
+    ends = [e["time"] for e in events if e["event"] == "released"]
+    return list(zip(starts, ends, strict=True))
+
+
+def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retried: dict, tmp_path: Path):
+    procs = {}
+    for name in ("a", "b"):  # upstream cached (a copy of the retried run's artifacts); train, export, evaluate run
+        shutil.copytree(retried["run_dir"] / "artifacts", tmp_path / name / "artifacts")
+        args = ["run", "--preset", "tiny", "--run-dir", str(tmp_path / name), "--set", "train.seed=1"]
+        args += [a for s in SMALL for a in ("--set", s)]
+        procs[name] = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=served.env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outputs = {name: proc.communicate(timeout=900)[0] for name, proc in procs.items()}
+    assert all(proc.returncode == 0 for proc in procs.values()), outputs
+    a, b = _blocks(tmp_path / "a"), _blocks(tmp_path / "b")
+    assert len(a) == len(b) == 2
+    assert a[0][0] < b[-1][1] and b[0][0] < a[-1][1], "the two runs did not overlap in time: nothing was tested"
+    for start_a, end_a in a:
+        for start_b, end_b in b:
+            assert end_a <= start_b or end_b <= start_a, f"runs a and b held the GPUs together: {a} {b}"
+    assert all(_states(tmp_path / n)["train"] == "Completed" for n in "ab")
+
+
+def test_ctrl_c_stops_the_worker_and_the_server(served: Served):
+    pids = [served.pid("worker"), served.pid("server")]
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(timeout=120) == 0, "".join(served.lines)[-3000:]
+    time.sleep(0.5)
+    assert "stopped worker, server" in "".join(served.lines)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{served.api_url}/health", timeout=2)

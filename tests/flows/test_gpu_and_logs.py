@@ -1,0 +1,78 @@
+"""The `gpu` concurrency slot (strict) and child-process output in the run log, on the session harness."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.gpu import GPU_LIMIT, SLOT_LOG, GpuLimitMissing, ensure_gpu_limit, gpu_slot
+from tasks.output import child_output_to_logs
+
+
+def _logs(flow_run_id) -> list[str]:  # noqa: ANN001 - UUID
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+
+
+def test_child_process_output_reaches_the_run_log_once_and_the_terminal(prefect_harness, capfd):
+    from prefect import flow, get_run_logger, task
+
+    @task
+    def engine() -> None:
+        with child_output_to_logs():
+            subprocess.run([sys.executable, "-c", "import os, sys; print('hello from a child', flush=True); "
+                            "os.write(2, b'progress 10%\\rprogress 100%\\n')"], check=True)
+            get_run_logger().info("a python log line")
+
+    @flow
+    def run() -> None:
+        engine()
+
+    state = run(return_state=True)
+    messages = _logs(state.state_details.flow_run_id)
+    assert "[stdout] hello from a child" in messages
+    assert "[stderr] progress 100%" in messages  # a progress bar's last state
+    assert messages.count("a python log line") == 1  # not logged again through the pipe
+    out, err = capfd.readouterr()
+    assert "hello from a child" in out and "progress 100%" in err  # still shown where it was written
+
+
+def test_gpu_slot_is_held_by_one_block_at_a_time_and_logged(prefect_harness, tmp_path: Path):
+    from prefect import flow
+
+    @flow
+    def run() -> None:
+        with gpu_slot(tmp_path, "target"):
+            pass
+        with gpu_slot(tmp_path, "draft"):
+            pass
+
+    run()
+    events = [json.loads(line) for line in (tmp_path / "logs" / SLOT_LOG).read_text().splitlines()]
+    assert [(e["event"], e["block"]) for e in events] == [("acquired", "target"), ("released", "target"),
+                                                         ("acquired", "draft"), ("released", "draft")]
+
+
+def test_a_missing_gpu_limit_is_an_error_not_a_silent_pass(prefect_harness, tmp_path: Path):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    @flow
+    def run() -> None:
+        with gpu_slot(tmp_path, "target"):
+            pass
+
+    with get_client(sync_client=True) as client:
+        client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
+    try:
+        with pytest.raises(GpuLimitMissing, match="eagle3 deploy"):
+            run()
+    finally:
+        ensure_gpu_limit()
