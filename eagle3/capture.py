@@ -92,7 +92,11 @@ class HiddenStateCapture:
     """Capture layer ids `layer_ids` (vLLM convention) from `stack` while `collecting()`."""
 
     def __init__(
-        self, stack: DecoderStack, layer_ids: Sequence[int], dtype: torch.dtype = torch.float32, row_source: RowSource | None = None
+        self,
+        stack: DecoderStack,
+        layer_ids: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        row_source: RowSource | None = None,  # the engine's row map; None: map rows by (position, token)
     ) -> None:
         n = stack.num_layers
         for k in layer_ids:
@@ -199,37 +203,47 @@ class HiddenStateCapture:
         segments: list[_Segment] = []
         row, total = 0, ids.shape[0]
         while row < total:
-            p, x = int(pos[row]), int(ids[row])
-            match = self._match(row, p, x)
-            req = self._requests[match]
-            length = 1
-            while (
-                row + length < total
-                and p + length < len(req.tokens)
-                and int(pos[row + length]) == p + length
-                and int(ids[row + length]) == int(req.tokens[p + length])
-            ):
-                length += 1
-            req.next_pos = p + length
+            match, length = self._match(ids, pos, row)
+            p = int(pos[row])
+            self._requests[match].next_pos = p + length
             segments.append(_Segment(request=match, row=row, pos=p, length=length))
             row += length
         self.rows_seen += total
         return segments
 
-    def _match(self, row: int, p: int, x: int) -> int:
-        """The pending prompt that a row at position p with token x continues (first of equivalent ones)."""
+    def _match(self, ids: torch.Tensor, pos: torch.Tensor, row: int) -> tuple[int, int]:
+        """(prompt, rows) that the rows from `row` on continue: the pending prompt agreeing with the most of them.
+
+        Candidates: prompts whose next uncaptured position is p = pos[row], with the row's token
+        at p. Ties are harmless when the tied prompts agree on tokens[:p] (equal states so far);
+        tied prompts whose earlier tokens differ are an error, as a wrong pick would go unnoticed.
+        """
         assert self._requests is not None
-        candidates = [i for i, r in enumerate(self._requests) if r.next_pos == p and p < len(r.tokens) and int(r.tokens[p]) == x]
-        if not candidates:
-            raise CaptureError(f"row {row} (position {p}, token {x}) belongs to no pending request; refusing to guess")
-        first = self._requests[candidates[0]].tokens[:p]
-        if any(not torch.equal(self._requests[i].tokens[:p], first) for i in candidates[1:]):
-            # states at p depend on tokens[:p]: a wrong pick here would go unnoticed
+        p = int(pos[row])
+        steps = torch.arange(ids.shape[0] - row)
+        consecutive = int((pos[row:] == p + steps).cumprod(0).sum())  # rows whose positions run p, p+1, ...
+        best: list[int] = []
+        best_len = 0
+        for i, r in enumerate(self._requests):
+            if r.next_pos != p or p >= len(r.tokens):
+                continue
+            m = min(consecutive, len(r.tokens) - p)
+            agree = int((ids[row : row + m] == r.tokens[p : p + m]).cumprod(0).sum())  # leading rows that agree
+            if agree > best_len:
+                best, best_len = [i], agree
+            elif agree == best_len and agree > 0:
+                best.append(i)
+        if not best:
             raise CaptureError(
-                f"row {row} (position {p}, token {x}) continues {len(candidates)} prompts whose earlier tokens differ; "
+                f"row {row} (position {p}, token {int(ids[row])}) belongs to no pending request; refusing to guess"
+            )
+        first = self._requests[best[0]].tokens[:p]
+        if any(not torch.equal(self._requests[i].tokens[:p], first) for i in best[1:]):
+            raise CaptureError(
+                f"row {row} (position {p}, token {int(ids[row])}) continues {len(best)} prompts whose earlier tokens differ; "
                 "the token row map cannot tell them apart: pass row_source=eagle3.vllm_adapter.row_source(llm)"
             )
-        return candidates[0]
+        return best[0], best_len
 
     def _map_spans(self, spans: Sequence[RowSpan], input_ids: torch.Tensor | None, positions: torch.Tensor) -> list[_Segment]:
         """Segments from the engine's row map; checked against the ids and positions the forward got."""

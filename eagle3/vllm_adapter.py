@@ -153,10 +153,14 @@ def release_all() -> int:
     """Drop every pooled engine (before training, so its memory is free). Returns how many."""
     count = len(_POOL)
     for llm in _POOL.values():
+        # vLLM 0.32's LLMEngine has no shutdown(); its in-process engine core does, and only that one
+        # tears down the process-wide parallel state. Left to the garbage collector, a reference
+        # still held elsewhere keeps it alive, and the next MoE target then fails to load.
         engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None) if engine is not None else None
-        if callable(shutdown):
-            shutdown()
+        for owner in (engine, getattr(engine, "engine_core", None)):
+            shutdown = getattr(owner, "shutdown", None)
+            if callable(shutdown):
+                shutdown()  # both are idempotent
     _POOL.clear()
     if count:
         import gc
@@ -188,23 +192,32 @@ def torch_module(llm) -> nn.Module:  # noqa: ANN001 - vllm.LLM
 def row_source(llm) -> RowSource:  # noqa: ANN001 - vllm.LLM
     """The model runner's row map of the forward pass in flight, for HiddenStateCapture(row_source=...).
 
-    In-process engines only. vLLM lays the batch out in its input batch's request order:
-    request i has rows query_start_loc[i]:query_start_loc[i+1], starting at position
-    num_computed_tokens[i]; its prompt comes from the runner's request state.
+    In-process engines with vLLM's V1 model runner (`GPUModelRunner` and its CPU subclass) only:
+    the batch is laid out in its input batch's request order, request i owning rows
+    query_start_loc[i]:query_start_loc[i+1] from position num_computed_tokens[i]; its prompt
+    comes from the runner's request state. Model Runner V2 (vLLM's default on GPUs with Triton)
+    keeps its batch elsewhere: refused here, with the way out named.
     """
     from eagle3.capture import RowSpan
 
     runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    batch = getattr(runner, "input_batch", None)
+    if not all(hasattr(o, a) for o, a in ((batch, "req_ids"), (batch, "num_computed_tokens_cpu"),
+                                          (runner, "query_start_loc"), (runner, "requests"))):
+        raise VllmUnsupported(
+            f"the engine's model runner {type(runner).__name__} has no V1 input batch to map rows from; "
+            "set VLLM_USE_V2_MODEL_RUNNER=0 before loading, or capture without the engine's row map (row_source=None)"
+        )
 
     def spans() -> list[RowSpan]:
-        batch = runner.input_batch
-        n = batch.num_reqs
+        n = runner.input_batch.num_reqs
         starts = runner.query_start_loc.np[: n + 1].tolist()
+        computed = runner.input_batch.num_computed_tokens_cpu
         out = []
-        for i, req_id in enumerate(batch.req_ids[:n]):
-            if starts[i + 1] > starts[i]:
+        for i, req_id in enumerate(runner.input_batch.req_ids[:n]):
+            if starts[i + 1] > starts[i]:  # rows [starts[i], starts[i+1]) of the flattened batch
                 prompt = runner.requests[req_id].prompt_token_ids or []
-                out.append(RowSpan(req_id, prompt, int(starts[i]), int(batch.num_computed_tokens_cpu[i]), int(starts[i + 1] - starts[i])))
+                out.append(RowSpan(req_id, prompt, int(starts[i]), int(computed[i]), int(starts[i + 1] - starts[i])))
         return out
 
     return spans
@@ -218,8 +231,8 @@ def _generate(llm, prompts: Sequence[Sequence[int]], params):  # noqa: ANN001, A
         return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     except BaseException:
         engine = llm.llm_engine
-        stuck = list(engine.output_processor.request_states)
-        if stuck:
+        stuck = list(getattr(getattr(engine, "output_processor", None), "request_states", None) or [])
+        if stuck:  # internal request ids of everything still in flight
             engine.abort_request(stuck, internal=True)
         raise
 

@@ -93,3 +93,57 @@ def test_mismatched_aux_ids_or_vocab_are_refused(tmp_path):
     with pytest.raises(ExportError, match="vocab"):
         _export(tmp_path / "c", vocab_path=other)
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def test_a_draft_over_the_whole_vocabulary_is_exported_without_a_mapping(tmp_path):
+    """vLLM has no d2t parameter when the draft vocabulary is the target's, and refuses one."""
+    from eagle3.train import TrainConfig, train_draft
+    from tests.eagle3.draft_fixtures import TRAIN_KW, VOCAB
+
+    world = tiny_world()
+    full = tmp_path / "vocab-full.safetensors"
+    save_mapping(build_mapping(torch.ones(VOCAB, dtype=torch.int64), VOCAB), full)
+    trained = train_draft(TrainConfig(steps=2, checkpoint_every=2, **(TRAIN_KW | {"warmup_steps": 1})),
+                          store_dir=world.train_store, target_dir=world.target_dir, head_path=world.head_path,
+                          vocab_path=full, out_dir=tmp_path / "train")
+    out = export_draft(trained.checkpoint, tmp_path / "draft", target_dir=world.target_dir,
+                       aux_layer_ids=AUX_LAYER_IDS, vocab_path=full)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        assert "d2t" not in handle.keys() and "t2d" not in handle.keys()
+    model, mapping = load_exported_draft(out)
+    assert mapping.draft_vocab_size == VOCAB and bool(mapping.t2d.all()) and not bool(mapping.d2t.any())
+
+
+def test_the_train_stage_names_its_best_checkpoint_and_the_export_takes_it(tmp_path):
+    import shutil
+
+    from eagle3.artifacts import StageRecord
+    from eagle3.draft_stages import VOCAB_FILE, fingerprint_export, run_export, run_train
+    from eagle3.target import HEAD_FILE, INFO_FILE, TargetInfo
+    from eagle3.train import TrainConfig
+    from tests.eagle3.draft_fixtures import NUM_LAYERS, TRAIN_KW, VOCAB
+
+    world = tiny_world()
+    target, extracted, vocab = tmp_path / "target", tmp_path / "extract", tmp_path / "vocab"
+    target.mkdir()
+    vocab.mkdir()
+    (target / INFO_FILE).write_text(TargetInfo(
+        model_dir=str(world.target_dir), architecture="LlamaForCausalLM", wrapper=None, num_layers=NUM_LAYERS,
+        hidden_size=64, vocab_size=VOCAB, aux_layer_ids=AUX_LAYER_IDS, content_fingerprint="tiny").to_json())
+    shutil.copy(world.head_path, target / HEAD_FILE)
+    shutil.copy(world.vocab_path, vocab / VOCAB_FILE)
+    shutil.copytree(world.train_store, extracted / "train")
+    shutil.copytree(world.heldout_store, extracted / "heldout")
+    records = [StageRecord(stage=n, uri=str(p), fingerprint=n) for n, p in
+               (("stage_target", target), ("extract", extracted), ("vocab", vocab))]
+    trained = run_train(TrainConfig(steps=12, checkpoint_every=4, **TRAIN_KW), *records, tmp_path / "artifacts", "fp-train")
+    evals = [json.loads(line) for line in (trained.path / "evals.jsonl").read_text().splitlines()]
+    best = max(reversed(evals), key=lambda e: e["acceptance_length"])
+    assert trained.stats["checkpoint"] == f"checkpoints/{best['checkpoint']}"
+    assert trained.stats["last_checkpoint"] == "checkpoints/step-000012"
+    assert trained.stats["best_acceptance_length"] == round(best["acceptance_length"], 4)
+    exported = run_export(records[0], trained, records[2], tmp_path / "artifacts", fingerprint_export(trained))
+    assert exported.stats["checkpoint"] == str(trained.path / "checkpoints" / best["checkpoint"])
+    model, _ = load_exported_draft(exported.path)
+    chosen = load_checkpoint(trained.path / "checkpoints" / best["checkpoint"]).weights
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in chosen.items())

@@ -17,12 +17,12 @@ from eagle3.train import TrainConfig, TrainError, lr_at, next_batch_indices, tra
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world, trained_run  # noqa: F401
 
 
-def _train(out_dir, stop_after=None, progress=None, **overrides):
+def _train(out_dir, stop_after=None, progress=None, heldout_store_dir=None, **overrides):
     world = tiny_world()
     config = TrainConfig(**(dict(steps=12, checkpoint_every=4, **TRAIN_KW) | overrides))
     return train_draft(config, store_dir=world.train_store, target_dir=world.target_dir,
                        head_path=world.head_path, vocab_path=world.vocab_path, out_dir=out_dir,
-                       stop_after=stop_after, progress=progress)
+                       stop_after=stop_after, progress=progress, heldout_store_dir=heldout_store_dir)
 
 
 def _final_weights(result) -> dict[str, torch.Tensor]:
