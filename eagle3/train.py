@@ -39,7 +39,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from safetensors import safe_open
 
 from eagle3 import ddp
 from eagle3.checkpoint import Checkpoint, checkpoint_name, clean_temporaries, latest_valid_checkpoint, save_checkpoint
@@ -173,12 +172,18 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
                        "I64": torch.int64, "BOOL": torch.bool}
 
 
-@lru_cache(maxsize=4096)
 def _shard_header(path: str) -> tuple[int, dict]:
-    """(offset of the data section, header) of a safetensors file (the format's 8-byte length + JSON)."""
+    """(offset of the data section, header) of a safetensors file (the format's 8-byte length + JSON).
+    Cached per (path, size, mtime): a shard rewritten in place is read afresh."""
+    stat = os.stat(path)
+    return _header_of(path, stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)
+def _header_of(path: str, size: int, mtime_ns: int) -> tuple[int, dict]:
     with open(path, "rb") as handle:
-        size = struct.unpack("<Q", handle.read(8))[0]
-        return 8 + size, json.loads(handle.read(size))
+        length = struct.unpack("<Q", handle.read(8))[0]
+        return 8 + length, json.loads(handle.read(length))
 
 
 def _read_rows(handle, path: str, name: str, rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

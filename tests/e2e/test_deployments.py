@@ -32,7 +32,11 @@ class Served:
     proc: subprocess.Popen
     api_url: str
     env: dict[str, str]
+    log_dir: Path
     lines: list[str] = field(default_factory=list)
+
+    def worker_log(self) -> str:
+        return (self.log_dir / "worker.log").read_text()[-6000:]
 
     def pid(self, name: str) -> int:
         return int(next(m.group(1) for line in self.lines if (m := re.search(rf"{name} pid (\d+)", line))))
@@ -57,7 +61,7 @@ def served(tmp_path_factory, builtin_cache) -> Served:
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), "--timezone", "Europe/Paris",
                              "--log-dir", str(home / "logs")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out = Served(proc, f"http://127.0.0.1:{port}/api", env | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+    out = Served(proc, f"http://127.0.0.1:{port}/api", env | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, home / "logs")
     threading.Thread(target=lambda: out.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     deadline = time.time() + 400
     while not any("ready" in line for line in out.lines):
@@ -123,14 +127,15 @@ def retried(served: Served, tmp_path_factory) -> dict:
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
         reports = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id])))
-    return {"run_dir": run_dir, "failed": failed, "final": final, "reports": reports}
+    return {"run_dir": run_dir, "failed": failed, "final": final, "reports": reports, "worker_log": served.worker_log()}
 
 
 def test_a_failed_run_retried_reruns_only_the_failed_stage_and_what_follows(retried: dict):
     assert retried["failed"]["state"] == "Failed"
     assert retried["failed"]["stages"]["train"] == "Failed"
     assert {s: retried["failed"]["stages"][s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Completed")
-    assert retried["final"].state.name == "Completed" and retried["final"].run_count >= 2  # same run id, retried
+    assert retried["final"].state.name == "Completed", retried["worker_log"]
+    assert retried["final"].run_count >= 2  # the same run id, retried
     states = _states(retried["run_dir"])
     assert {s: states[s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Cached")
     assert [states[s] for s in ("train", "export", "evaluate")] == ["Completed"] * 3
