@@ -50,7 +50,13 @@ class VllmSource:
 
         if self._capture is None or self._capture.layer_ids != list(layer_ids):
             self.close()
-            self._capture = HiddenStateCapture(self._stack, layer_ids)
+            # the engine's own row map when its runner exposes one (works when a multimodal
+            # wrapper feeds embeddings instead of ids); else rows are matched by (position, token)
+            try:
+                rows = vllm_adapter.row_source(self._llm)
+            except vllm_adapter.VllmUnsupported:
+                rows = None
+            self._capture = HiddenStateCapture(self._stack, layer_ids, row_source=rows)
             self._capture.install()
         with self._capture.collecting(prompts, self._hidden_size) as states:
             vllm_adapter.prefill(self._llm, prompts)

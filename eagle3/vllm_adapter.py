@@ -116,6 +116,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     # In-process engine: the patched forward and the capture buffers live in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(spec.kv_cache_gib))))
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads the V1 runner's row map
     vllm = _import_vllm()
     started = time.time()
     llm = vllm.LLM(

@@ -93,3 +93,20 @@ def test_a_trained_draft_is_accepted_more_than_an_untrained_one(tmp_path):
     assert after.num_drafts == before.num_drafts == 12 * 30
     assert after.acceptance_length > before.acceptance_length + 0.2, (before, after)
     assert after.per_position[0] >= after.per_position[1] >= after.per_position[2]
+
+
+def test_plots_are_written_as_png_and_refuse_an_empty_log(tmp_path):
+    import pytest
+
+    from eagle3.plots import plot_acceptance, plot_training_loss
+
+    entries = [{"step": s, "loss": 2.0 / s, "loss_per_ttt_step": [1.5 / s, 2.0 / s, 2.5 / s]} for s in range(1, 21)]
+    evals = [{"step": 10, "acceptance_length": 1.4}, {"step": 20, "acceptance_length": 1.6}]
+    for path in (plot_training_loss(entries, evals, tmp_path / "loss.png"),
+                 plot_acceptance([0.6, 0.4, 0.2], [0.55, 0.35, 0.2], tmp_path / "acceptance.png"),
+                 plot_acceptance([0.6, 0.4, 0.2], None, tmp_path / "simulated-only.png")):
+        data = path.read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "loss.png", "simulated-only.png"]
+    with pytest.raises(ValueError, match="losses.jsonl"):
+        plot_training_loss([], [], tmp_path / "empty.png")
