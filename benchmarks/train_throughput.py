@@ -332,6 +332,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps of the real trainer")
     parser.add_argument("--loader-threads", type=int, default=4)
     parser.add_argument("--profile-only", action="store_true", help="GPU: profile one compute-only step and stop")
+    parser.add_argument("--compile-probe", action="store_true",
+                        help="compute only, TTT attention: eager vs the draft's step under torch.compile, then stop")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     s, ttt = (SHAPE_TINY if args.tiny else SHAPE_8B), 3
@@ -349,6 +351,16 @@ def main() -> None:
     model, head, batch = _model_and_batch(s, target, head_file, store, device, ttt)
     if args.profile_only:
         profile_compute(model, head, batch, device)
+        return
+    if args.compile_probe:
+        eager = time_compute(model, head, batch, device, False, steps=10)
+        started = time.perf_counter()
+        model.step = torch.compile(model.step)  # one graph per TTT step shape; the loss stays eager
+        time_compute(model, head, batch, device, False, steps=1)
+        print(f"compile + first steps: {time.perf_counter() - started:.0f} s", flush=True)
+        compiled = time_compute(model, head, batch, device, False, steps=10)
+        for name, tps in (("eager", eager), ("torch.compile(step)", compiled)):
+            print(f"compute only, TTT attention, {name:20s} {tps:10,.0f} tokens/s  MFU {tps * flops / rate:6.1%}")
         return
     for line in attention_check(model, s, device, ttt):
         print(line, flush=True)

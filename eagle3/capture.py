@@ -29,11 +29,35 @@ Guards that turn silent corruption into errors:
 - a forward pass whose hooks did not all fire (a CUDA graph or compiled region replayed);
 - a row that belongs to no request (an unexpected batch), a position captured twice;
 - at the end, any request position not captured exactly once.
+
+Tensor parallelism (TP), rank 0 only. With TP > 1 every rank runs the same forward over the
+same flattened batch, and the state leaving a decoder layer is replicated: vLLM's
+row-parallel layers (attention o_proj, MLP down_proj) end in an all-reduce, so every rank
+holds the full [T, H] hidden state and residual. Copying rows on every rank would only
+multiply the host traffic, so the capture asks `rank()` (default `tensor_parallel_rank`:
+vLLM's TP rank when its parallel state is up, else torch.distributed's rank, else 0) when a
+`collecting()` block opens: rank 0 maps and copies rows as above; any other rank yields no
+buffers, its patched forward passes straight through and its hooks copy nothing (and so it
+checks nothing either: rank 0's checks cover the batch, which is the same on every rank).
+
+NOT IMPLEMENTED YET: shipping rank 0's rows back to the driver when the workers are other
+processes (vLLM's "mp" executor, which TP > 1 always uses; `eagle3.source.VllmSource` refuses
+such engines with an error naming target.tensor_parallel_size). The design: install the
+capture in every worker with `llm.collective_rpc(fn)` (fn importable from this module, as
+the mp executor pickles it by reference; `VLLM_ALLOW_INSECURE_SERIALIZATION=1`), open the
+`collecting()` block in each worker through a second collective_rpc before `prefill`, and
+close it through a third whose return value is rank 0's per-prompt states (the other ranks
+return None), so only rank 0's rows cross the process boundary. For large batches rank 0
+would rather write the shard itself (or hand a shared-memory handle) than pickle tensors.
+Another route, also not done: vLLM's "external_launcher" executor under torchrun, where each
+rank holds its own in-process engine; the rank check above then works as is, and only rank 0
+may run extract's store writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -67,6 +91,20 @@ class RowSpan:
 
 
 RowSource = Callable[[], Sequence[RowSpan]]  # called inside each forward pass: the batch in flight
+RankFn = Callable[[], int]  # this process's tensor-parallel rank
+
+
+def tensor_parallel_rank() -> int:
+    """This process's TP rank: vLLM's when its model-parallel state is initialized, else torch.distributed's, else 0.
+
+    vLLM is consulted only when already imported (this module never imports it): no vLLM, no vLLM parallel state.
+    """
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None and state.model_parallel_is_initialized():
+        return int(state.get_tensor_model_parallel_rank())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())  # TP-only runs: the global rank is the TP rank
+    return 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +135,7 @@ class HiddenStateCapture:
         layer_ids: Sequence[int],
         dtype: torch.dtype = torch.float32,
         row_source: RowSource | None = None,  # the engine's row map; None: map rows by (position, token)
+        rank: RankFn = tensor_parallel_rank,  # only rank 0 copies rows (module docstring: tensor parallelism)
     ) -> None:
         n = stack.num_layers
         for k in layer_ids:
@@ -106,6 +145,7 @@ class HiddenStateCapture:
         self.layer_ids = list(layer_ids)
         self.dtype = dtype
         self.row_source = row_source
+        self.rank = rank
         self._bound: dict[str, int] = {}  # engine request key -> prompt index, per collecting() block
         self._unbound: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices not yet bound
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -138,7 +178,13 @@ class HiddenStateCapture:
     # -- collecting -------------------------------------------------------------------
     @contextlib.contextmanager
     def collecting(self, prompts: Sequence[Sequence[int]], hidden_size: int) -> Iterator[list[torch.Tensor]]:
-        """Within the block, forward passes fill one [T_i, n_ids, H] tensor per prompt."""
+        """Within the block, forward passes fill one [T_i, n_ids, H] tensor per prompt.
+
+        On a TP rank other than 0 the block yields [] and the forward passes run untouched.
+        """
+        if self.rank() != 0:
+            yield []  # no buffers: _requests stays None, so the patch and the hooks pass through
+            return
         n_ids = len(self.layer_ids)
         self._requests = [
             _Request(

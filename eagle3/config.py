@@ -54,9 +54,9 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:
-        if self.data.max_tokens > self.target.max_model_len:
+        if self.data.max_tokens >= self.target.max_model_len:  # a prefill also asks for one output token
             raise ValueError(
-                f"data.max_tokens={self.data.max_tokens} exceeds target.max_model_len={self.target.max_model_len}; "
+                f"data.max_tokens={self.data.max_tokens} must be below target.max_model_len={self.target.max_model_len}; "
                 "lower data.max_tokens or raise target.max_model_len"
             )
         return self

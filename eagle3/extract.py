@@ -19,6 +19,7 @@ On the CPU the same path runs without pinning, streams or events.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -30,10 +31,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.data import TokenizedSample
+from eagle3.layers import check_aux_layer_ids
 from eagle3.source import open_source
 from eagle3.store import FP8, Sample, StoreWriter, encode_states
 
 Progress = Callable[[int, int], None]  # (shards done, shards total)
+log = logging.getLogger(__name__)
+
+
+class ExtractInputError(ValueError):
+    """Input that extraction refuses before any engine work; the message names the samples or ids and the setting."""
 
 
 class ExtractConfig(BaseModel):
@@ -50,6 +57,11 @@ class ExtractConfig(BaseModel):
         default="auto",
         description="Dtype of stored states; 'auto' = float32 for float32 targets, else bfloat16; "
         "'float8_e4m3' = half of bfloat16's bytes, one float32 scale per (token, layer) row, ~3% relative error",
+    )
+    too_long: Literal["truncate", "reject"] = Field(
+        default="reject",
+        description="A sample with more than target.max_model_len - 1 tokens (a prefill samples one token): 'reject' "
+        "(error naming the samples) or 'truncate' (keep its first max_model_len - 1 tokens, with a warning naming the samples)",
     )
 
 
@@ -82,15 +94,18 @@ def extract_store(
     progress: Progress | None = None,
     writer_threads: int = 4,
     max_pending_shards: int = 4,
+    max_model_len: int | None = None,
 ) -> ExtractStats:
     """Fill the store at `store_dir` with aux ids + final state (id N) for every sample.
 
     `get_engine` returns a vllm.LLM for backend "vllm" and a transformers model for "hf".
     `writer_threads` and `max_pending_shards` tune the write path only (never the output).
+    `max_model_len`: the target's; a sample may have max_model_len - 1 tokens (a vLLM prefill
+    samples one token), longer ones follow `config.too_long` (None: no length check).
+    Bad input raises ExtractInputError before the engine is asked for (nothing is written).
     """
+    samples = check_inputs(samples, aux_layer_ids, num_layers, max_model_len, config.too_long)
     by_id = {s.id: s for s in samples}
-    if len(by_id) != len(samples):
-        raise ValueError("duplicate sample ids in the prepared data; ids must be unique")
     groups = [[s.id for s in samples[i : i + config.samples_per_shard]] for i in range(0, len(samples), config.samples_per_shard)]
     layer_ids = list(aux_layer_ids) + [num_layers]  # the final state (id N) is stored last
     writer = StoreWriter(store_dir, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, dtype=dtype, expected_shards=groups)
@@ -120,6 +135,56 @@ def extract_store(
     finally:
         source.close()
     return stats
+
+
+def check_inputs(
+    samples: Sequence[TokenizedSample],
+    aux_layer_ids: Sequence[int],
+    num_layers: int,
+    max_model_len: int | None,
+    too_long: Literal["truncate", "reject"],
+) -> list[TokenizedSample]:
+    """The samples to extract, or ExtractInputError: bad layer ids, duplicate ids, empty or too long samples.
+
+    Truncated samples keep their first `max_model_len - 1` tokens (and loss-mask entries).
+    """
+    try:
+        check_aux_layer_ids(aux_layer_ids, num_layers)  # the final state (id N) is added by extraction
+    except ValueError as err:
+        raise ExtractInputError(str(err)) from err
+    seen: set[str] = set()
+    duplicates = [s.id for s in samples if s.id in seen or seen.add(s.id)]
+    if duplicates:
+        raise ExtractInputError(f"duplicate sample ids {_some(duplicates)} in the prepared data; ids must be unique")
+    empty = [s.id for s in samples if len(s.input_ids) == 0]
+    if empty:
+        raise ExtractInputError(f"samples {_some(empty)} have no tokens; expected >= 1 token each (re-run prepare_data)")
+    uneven = [s.id for s in samples if len(s.loss_mask) != len(s.input_ids)]
+    if uneven:
+        raise ExtractInputError(f"samples {_some(uneven)}: loss_mask and input_ids differ in length; expected one mask entry per token")
+    if max_model_len is None:
+        return list(samples)
+    limit = max_model_len - 1  # vLLM's prefill asks for one output token: prompt + 1 <= max_model_len
+    long = [s.id for s in samples if len(s.input_ids) > limit]
+    if not long:
+        return list(samples)
+    what = f"samples {_some(long)} are longer than {limit} tokens (target.max_model_len={max_model_len} minus the one token a prefill samples)"
+    if too_long == "reject":
+        raise ExtractInputError(
+            f"{what}; set extract.too_long='truncate' to keep their first {limit} tokens, "
+            "raise target.max_model_len, or lower data.max_tokens"
+        )
+    log.warning("%s; truncated to their first %d tokens (extract.too_long='truncate')", what, limit)
+    return [
+        s if len(s.input_ids) <= limit else TokenizedSample(s.id, s.input_ids[:limit], s.loss_mask[:limit])
+        for s in samples
+    ]
+
+
+def _some(ids: Sequence[str], limit: int = 10) -> str:
+    """Up to `limit` ids and how many more, for error messages."""
+    more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
+    return f"{list(ids[:limit])}{more}"
 
 
 def _report(progress: Progress | None, done: int, newly: int, total: int) -> int:

@@ -39,6 +39,7 @@ class VllmSource:
         from eagle3 import vllm_adapter
         from eagle3.layers import resolve_decoder_stack
 
+        _refuse_multiprocess_tp(llm)
         self._llm = llm
         self._hidden_size = hidden_size
         self._stack = resolve_decoder_stack(vllm_adapter.torch_module(llm))
@@ -66,6 +67,23 @@ class VllmSource:
         if self._capture is not None:
             self._capture.remove()
             self._capture = None
+
+
+def _refuse_multiprocess_tp(llm: object) -> None:
+    """TP > 1 puts the model in worker processes, which this source cannot reach yet (eagle3.capture: tensor parallelism).
+
+    Reads the engine's parallel config: vLLM-specific, so it should move into eagle3.vllm_adapter.
+    """
+    from eagle3.vllm_adapter import VllmUnsupported
+
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    size = int(getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1))
+    if size > 1:
+        raise VllmUnsupported(
+            f"extraction with target.tensor_parallel_size={size} is not implemented yet: the model runs in {size} worker "
+            "processes and the capture ships no rows back from them (design in eagle3.capture); "
+            "set target.tensor_parallel_size=1, or extract.backend='hf' for targets that fit one device"
+        )
 
 
 def open_source(backend: Backend, engine: object, *, hidden_size: int, batch_tokens: int) -> HiddenStateSource:

@@ -159,6 +159,8 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
 # -- extract -----------------------------------------------------------------------------
 def fingerprint_extract(config: ExtractConfig, target_config: TargetConfig, prepared: StageRecord, target: StageRecord) -> str:
     settings = {"extract": config, "dtype": target_config.dtype, "aux_layer_ids": target.stats["aux_layer_ids"]}
+    if config.too_long == "truncate":  # then max_model_len changes what is stored
+        settings["max_model_len"] = target_config.max_model_len
     return stage_fingerprint("extract", settings, prepared.fingerprint, target.fingerprint)
 
 
@@ -183,6 +185,7 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
         result = extract_store(
             samples, final / split, get_engine=get_engine, aux_layer_ids=info.aux_layer_ids,
             num_layers=info.num_layers, hidden_size=info.hidden_size, config=config, dtype=dtype, progress=progress,
+            max_model_len=target_config.max_model_len,
         )
         stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,
                   f"{split}_shards_written": result.shards_written, f"{split}_shards_reused": result.shards_reused}

@@ -30,6 +30,7 @@ class VocabConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     draft_vocab_size: int = Field(
+        default=32000,
         gt=0,
         description="Number of target tokens the draft can propose (its lm_head rows); at most the target vocabulary.",
     )

@@ -121,8 +121,10 @@ def serve(settings: DeploySettings, *, host: str = "127.0.0.1", port: int = 4200
     try:
         if api_url is None:
             api_url = f"http://{host}:{port}/api"
+            # The UI asks the API at PREFECT_UI_API_URL, which otherwise stays at the default port 4200.
+            server_env = env | {"PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": api_url.removesuffix("/api")}
             server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
-                                      env=env, stdout=open(log_dir / "server.log", "a"), stderr=subprocess.STDOUT,
+                                      env=server_env, stdout=open(log_dir / "server.log", "a"), stderr=subprocess.STDOUT,
                                       start_new_session=True)
             children.append(("server", server, signal.SIGTERM, 20))
             print(f"eagle3 serve: prefect server pid {server.pid}, log {log_dir / 'server.log'}", flush=True)

@@ -60,9 +60,10 @@ def _part(run: StageRunner, p: PipelineConfig, file: incremental.IncomingFile, t
 
 def _evaluate(run: StageRunner, p: PipelineConfig, label: str, target: StageRecord, exported: StageRecord,
               assembled: StageRecord) -> StageRecord:
-    fp = draft_stages.fingerprint_evaluate(p.eval, exported, assembled, **with_prepared(draft_stages.fingerprint_evaluate, assembled))
+    held_out = with_prepared(assembled)  # the assembled artifact holds heldout.jsonl too
+    fp = draft_stages.fingerprint_evaluate(p.eval, exported, assembled, **held_out)
     return run.stage("evaluate", draft_tasks.evaluate, fp, label=label, config=p.eval, target=target, exported=exported,
-                     extracted=assembled, **with_prepared(draft_tasks.evaluate, assembled))
+                     extracted=assembled, **held_out)
 
 
 def _train(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: StageRecord, vocab: StageRecord,

@@ -39,7 +39,8 @@ def stage_table(rows: Sequence[StageRow]) -> str:
     for r in rows:
         size = human_bytes(artifact_bytes(r.artifact)) if r.artifact else ""
         hit = "yes" if r.state == "Cached" else ("" if not r.artifact and r.state != "Failed" else "no")
-        lines.append(f"| {r.name} | {r.state} | {r.seconds:.1f} | {hit} | {size} | `{r.artifact}` |")
+        folder = f"`{r.artifact}`" if r.artifact else ""
+        lines.append(f"| {r.name} | {r.state} | {r.seconds:.1f} | {hit} | {size} | {folder} |")
     return "\n".join(lines)
 
 

@@ -19,7 +19,6 @@ id: every stage that finished comes back Cached, the failed one and those after 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from pathlib import Path
 
 from prefect import flow
@@ -38,10 +37,12 @@ from tasks.gpu import gpu_cleanup, gpu_slot
 __all__ = ["StageFailed", "train_eagle3", "with_prepared"]
 
 
-def with_prepared(fn: Callable[..., object], prepared: StageRecord) -> dict[str, StageRecord]:
-    """`prepared=` for an evaluate function that takes held-out prompts (served evaluation in vLLM), else nothing."""
-    fn = getattr(fn, "fn", fn)  # a prefect Task: its function
-    return {"prepared": prepared} if "prepared" in inspect.signature(fn).parameters else {}
+def with_prepared(prepared: StageRecord) -> dict[str, StageRecord]:
+    """`prepared=` for the evaluate stage (held-out prompts for the served evaluation in vLLM) once both its
+    task and its fingerprint take it; nothing before that."""
+    takes = all("prepared" in inspect.signature(getattr(fn, "fn", fn)).parameters
+                for fn in (draft_tasks.evaluate, draft_stages.fingerprint_evaluate))
+    return {"prepared": prepared} if takes else {}
 
 
 @flow(name="train-eagle3", log_prints=False)
@@ -75,10 +76,10 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
             exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(trained),
                                  target=target, trained=trained, vocab=vocab)
             outcome["export_dir"] = exported.uri
-            evaluated = run.stage("evaluate", draft_tasks.evaluate, draft_stages.fingerprint_evaluate(config.eval, exported, extracted,
-                                                                   **with_prepared(draft_stages.fingerprint_evaluate, prepared)),
-                                  config=config.eval, target=target, exported=exported, extracted=extracted,
-                                  **with_prepared(draft_tasks.evaluate, prepared))
+            held_out = with_prepared(prepared)
+            evaluated = run.stage("evaluate", draft_tasks.evaluate,
+                                  draft_stages.fingerprint_evaluate(config.eval, exported, extracted, **held_out),
+                                  config=config.eval, target=target, exported=exported, extracted=extracted, **held_out)
             outcome["acceptance_length"] = evaluated.stats["acceptance_length"]
             outcome["evaluation"] = evaluated.uri
             vllm_adapter.release_all()

@@ -23,7 +23,8 @@ import pytest
 from eagle3.config import build_config
 from tests.e2e.conftest import ROOT, _free_port
 
-SMALL = ["data.max_samples=16", "regenerate.max_new_tokens=8", "train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3"]
+SMALL = ["data.max_samples=16", "regenerate.max_new_tokens=8", "train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3",
+         "eval.served=false"]
 UPSTREAM = ["stage_target", "regenerate", "prepare_data", "extract", "vocab"]
 
 

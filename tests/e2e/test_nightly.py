@@ -17,7 +17,8 @@ from tasks.nightly import warm_start_supported
 from tests.e2e.conftest import run_cli
 
 SMALL = ["pipeline.data.max_samples=14", "pipeline.regenerate.max_new_tokens=8", "pipeline.train.steps=6",
-         "pipeline.train.warmup_steps=1", "pipeline.train.checkpoint_every=3", "pipeline.extract.samples_per_shard=4"]
+         "pipeline.train.warmup_steps=1", "pipeline.train.checkpoint_every=3", "pipeline.extract.samples_per_shard=4",
+         "pipeline.eval.served=false"]
 
 
 def _write_day(folder: Path, name: str, conversations) -> None:  # noqa: ANN001

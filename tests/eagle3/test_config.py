@@ -32,7 +32,7 @@ def test_wrong_type_names_the_field_and_value():
 
 
 def test_cross_field_rule_names_both_fields():
-    with pytest.raises(ConfigError, match=r"data.max_tokens=4096 exceeds target.max_model_len=256"):
+    with pytest.raises(ConfigError, match=r"data.max_tokens=4096 must be below target.max_model_len=256"):
         build_config("tiny", overrides=["data.max_tokens=4096"])
 
 

@@ -1,0 +1,89 @@
+"""Tensor parallelism, what the CPU can show: only TP rank 0 copies rows; the rank comes from vLLM / torch.distributed.
+
+Not covered (no multi-process TP here): shipping rank 0's rows from vLLM's worker processes to
+the driver, which is not implemented (eagle3.capture's docstring has the design); engines with
+tensor_parallel_size > 1 are refused instead, and that refusal is tested.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from eagle3 import vllm_adapter
+from eagle3.capture import HiddenStateCapture, tensor_parallel_rank
+from eagle3.layers import resolve_decoder_stack
+from eagle3.source import VllmSource
+
+IDS, H = [2, 8], 64
+PROMPTS = [[10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target):
+    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+                                   tensor_parallel_size=1, trust_remote_code=False, seed=0)
+    yield vllm_adapter.acquire(spec)
+    vllm_adapter.release_all()
+
+
+def _capture(llm, rank):  # noqa: ANN001, ANN202
+    cap = HiddenStateCapture(resolve_decoder_stack(vllm_adapter.torch_module(llm)), IDS, rank=rank)
+    cap.install()
+    try:
+        with cap.collecting(PROMPTS, hidden_size=H) as states:
+            vllm_adapter.prefill(llm, PROMPTS)
+    finally:
+        cap.remove()
+    return states, cap
+
+
+def test_rank_0_copies_rows_and_other_ranks_copy_nothing_without_error(engine):
+    on_rank0, cap0 = _capture(engine, lambda: 0)
+    on_rank1, cap1 = _capture(engine, lambda: 1)
+    assert [s.shape for s in on_rank0] == [(4, 2, H), (7, 2, H)] and all(s.abs().sum() > 0 for s in on_rank0)
+    assert cap0.rows_seen == 11 and cap0.forward_passes >= 1
+    assert on_rank1 == [] and cap1.rows_seen == 0 and cap1.forward_passes == 0  # the forward ran untouched
+    again, _ = _capture(engine, lambda: 0)  # the engine is unharmed: rank 0 captures the same states again
+    for a, b in zip(again, on_rank0):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_the_in_process_engine_is_tp_rank_0_by_vllms_own_parallel_state(engine):
+    from vllm.distributed import parallel_state
+
+    assert parallel_state.model_parallel_is_initialized()  # so the rank came from vLLM, not the fallback
+    assert tensor_parallel_rank() == 0
+
+
+def test_an_engine_with_tensor_parallel_size_2_is_refused_naming_the_setting(engine):
+    parallel = engine.llm_engine.vllm_config.parallel_config
+    parallel.tensor_parallel_size = 2
+    try:
+        with pytest.raises(vllm_adapter.VllmUnsupported, match=r"target\.tensor_parallel_size=2 is not implemented"):
+            VllmSource(engine, hidden_size=H)
+    finally:
+        parallel.tensor_parallel_size = 1
+
+
+def _report_rank(rank: int, world: int, port: int, out: dict) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out[rank] = tensor_parallel_rank()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_without_vllm_the_rank_is_torch_distributeds():
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_report_rank, args=(2, port, out), nprocs=2, join=True)
+        assert dict(out) == {0: 0, 1: 1}
