@@ -38,7 +38,7 @@ def test_cross_field_rule_names_both_fields():
 
 def test_yaml_file_on_top_of_nothing(tmp_path: Path):
     path = tmp_path / "c.yaml"
-    path.write_text("target:\n  model: builtin:tiny\ntrain:\n  steps: 3\n")
+    path.write_text("target:\n  model: builtin:tiny\ntrain:\n  steps: 3\n  warmup_steps: 0\n")
     config = build_config(config_file=path)
     assert config.target.model == "builtin:tiny" and config.train.steps == 3
     with pytest.raises(ConfigError, match="no such file"):
