@@ -90,7 +90,7 @@ PRESETS: dict[str, dict[str, object]] = {
         "regenerate": {"max_new_tokens": 96},
         "extract": {"samples_per_shard": 32},
         "vocab": {"draft_vocab_size": 4096},
-        "train": {"steps": 240, "checkpoint_every": 40, "batch_tokens": 2048, "warmup_steps": 20, "learning_rate": 1e-3},
+        "train": {"steps": 120, "checkpoint_every": 40, "batch_tokens": 2048, "warmup_steps": 10, "learning_rate": 1e-3},
         "eval": {"num_draft_tokens": 3},
     },
 }
