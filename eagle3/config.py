@@ -37,7 +37,7 @@ class PipelineConfig(BaseModel):
 
     run_dir: str = Field(default="runs/demo", description="Folder of this run: summary.json, logs, plots, artifacts")
     artifact_root: str | None = Field(
-        default=None, description="Where stage artifacts and cached results live (default: <run_dir>/artifacts)"
+        default=None, description="Where stage artifacts and cached results live (default: the artifacts folder inside run_dir)"
     )
     cache_dir: str | None = Field(
         default=None,
@@ -81,7 +81,7 @@ PRESETS: dict[str, dict[str, object]] = {
         "extract": {"samples_per_shard": 8},
         "vocab": {"draft_vocab_size": 256},
         "train": {"steps": 30, "checkpoint_every": 10, "batch_tokens": 256, "warmup_steps": 3},
-        "eval": {"num_draft_tokens": 3},
+        "eval": {"num_draft_tokens": 3, "served": False},  # the served check has its own test
     },
     "demo": {
         "run_dir": "runs/demo",

@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--registry", default="registry", help="where promoted drafts are published (nightly)")
     serve.add_argument("--port", type=int, default=4200, help="port of the Prefect server (UI and API)")
     serve.add_argument("--api-url", help="use this running Prefect server instead of starting one")
+    deploy.add_argument("--api-url", help="the Prefect server (default: PREFECT_API_URL or the active profile's)")
     serve.add_argument("--log-dir", type=Path, default=Path("runs/serve"), help="where the server and worker logs go")
     gpu = sub.add_parser("gpu-cleanup", help="find and stop processes holding the GPUs, then verify with NVML")
     gpu.add_argument("--mode", choices=["own", "match", "all"], default="own")
@@ -145,7 +146,11 @@ def _deploy(args: argparse.Namespace) -> int:
     try:
         if args.command == "serve":
             return serve(settings, port=args.port, api_url=args.api_url, log_dir=args.log_dir)
-        deploy(settings)
+        from prefect.settings import PREFECT_API_URL
+
+        if not (args.api_url or PREFECT_API_URL.value()):
+            return _fail("eagle3 deploy needs a Prefect server: set PREFECT_API_URL or --api-url (or run `eagle3 serve`)", 2)
+        deploy(settings, args.api_url)
     except DeployError as err:
         return _fail(str(err))
     print("eagle3 deploy: work pool 'gpu' (1 run at a time), concurrency limit 'gpu', deployments "

@@ -39,23 +39,30 @@ from tasks.gpu import gpu_cleanup, gpu_slot
 Part = tuple[str, StageRecord, StageRecord]  # (file label, prepared, extracted)
 
 
-def _part(run: StageRunner, p: PipelineConfig, file: incremental.IncomingFile, target: StageRecord, load_log: Path) -> tuple[Part, dict]:
+def _part(run: StageRunner, p: PipelineConfig, file: incremental.IncomingFile, target: StageRecord,
+          load_log: Path) -> tuple[Part, dict]:
     """regenerate -> prepare_data -> extract for one dated file; returns the part and what extract did."""
     label = Path(file.name).stem
     data = p.data.model_copy(update={"source": str(incremental.local_copy(file, p.artifacts / "incoming"))})
     regen = run.stage("regenerate", data_tasks.regenerate,
-                      stages.fingerprint_regenerate(p.regenerate, data, target, p.target.max_model_len), label=f"regenerate {label}",
-                      config=p.regenerate, data_config=data, target_config=p.target, target=target, load_log=load_log)
+                      stages.fingerprint_regenerate(p.regenerate, data, target, p.target.max_model_len),
+                      label=f"regenerate {label}", config=p.regenerate, data_config=data, target_config=p.target,
+                      target=target, load_log=load_log)
     prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(data, regen, target),
                          label=f"prepare_data {label}", config=data, regenerated=regen, target=target,
                          trust_remote_code=p.target.trust_remote_code)
     extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(p.extract, p.target, prepared, target),
-                          label=f"extract {label}", config=p.extract, target_config=p.target, prepared=prepared, target=target,
-                          load_log=load_log)
-    fresh = run.rows[-1].state != "Cached"
-    written = sum(int(extracted.stats.get(f"{s}_shards_written", 0)) for s in ("train", "heldout")) if fresh else 0
-    return (label, prepared, extracted), {"file": file.name, "extract": run.rows[-1].state, "shards_extracted": written,
-                                          "samples": sum(int(extracted.stats.get(f"{s}_samples", 0)) for s in ("train", "heldout"))}
+                          label=f"extract {label}", config=p.extract, target_config=p.target, prepared=prepared,
+                          target=target, load_log=load_log)
+    state = run.rows[-1].state
+
+    def count(key: str) -> int:
+        return sum(int(extracted.stats.get(f"{split}_{key}", 0)) for split in ("train", "heldout"))
+
+    # A Cached stage computed nothing in this run (its stats are those of the run that built it).
+    info = {"file": file.name, "extract": state, "shards_extracted": 0 if state == "Cached" else count("shards_written"),
+            "samples": count("samples")}
+    return (label, prepared, extracted), info
 
 
 def _evaluate(run: StageRunner, p: PipelineConfig, label: str, target: StageRecord, exported: StageRecord,
@@ -73,6 +80,30 @@ def _train(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: 
         return run.stage("train", draft_tasks.train, fp, config=p.train, target=target, extracted=assembled, vocab=vocab)
     return run.stage("train", nightly_tasks.warm_train, fingerprint("warm-start", fp, served.export_fingerprint),
                      label="train (warm)", config=p.train, target=target, extracted=assembled, vocab=vocab, init_from=parent)
+
+
+def _vocab(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: StageRecord, parent: Path | None,
+           served: PublishedDraft | None) -> StageRecord:
+    """The served draft's vocabulary on a warm start (its lm_head rows are tied to it), else one built from the data."""
+    if parent is not None and served is not None:
+        return run.stage("vocab", nightly_tasks.parent_vocab, fingerprint("parent-vocab", served.export_fingerprint),
+                         label="vocab (in service)", draft_dir=parent, draft_id=served.draft_id)
+    return run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(p.vocab, assembled),
+                     config=p.vocab, prepared=assembled, target=target)
+
+
+def _report(run: StageRunner, run_dir: Path, outcome: dict, night: dict, trained: StageRecord | None) -> RunSummary:
+    """summary.json, nightly.json and the report artifact, whether the run got to the end or not."""
+    summary = RunSummary(stages=list(run.rows), **outcome)
+    write_summary(run_dir / "summary.json", summary)
+    atomic_write_text(run_dir / "nightly.json", json.dumps(night, indent=1, default=str) + "\n")
+    gate = night.get("gate")
+    verdict = (f"{'Promoted' if gate['promoted'] else 'Not promoted'}: {gate['reason']}" if isinstance(gate, dict)
+               else "_the run ended before the gate_")
+    report = run_report(summary, run_dir, title="nightly-eagle3", sources=[trained.path if trained else None],
+                        extra=["## Gate", verdict])
+    create_markdown_artifact(key="eagle3-nightly-summary", markdown=report, description="stages, acceptance, gate")
+    return summary
 
 
 def _candidate(exported: StageRecord, evaluated: StageRecord, assembled: StageRecord, served: PublishedDraft | None,
@@ -96,8 +127,9 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
     run = StageRunner(p.artifacts)
     files = incremental.discover(config.incoming, today=config.run_date, window_days=config.window_days)
     served = read_current(config.publish.registry)
+    known = set(served.data_files) if served else set()
     night: dict[str, object] = {"files": [f.name for f in files], "served_before": served.draft_id if served else None,
-                                "new_files": [f.name for f in files if served is None or Path(f.name).stem not in served.data_files]}
+                                "new_files": [f.name for f in files if Path(f.name).stem not in known]}
     outcome: dict[str, object] = {}
     trained = None
     try:
@@ -111,15 +143,9 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
         parts = [part for part, _ in done]
         night["parts"] = [info for _, info in done]
         assembled = run.stage("assemble", nightly_tasks.assemble, incremental.fingerprint_assemble(parts), parts=parts)
-        warm = bool(config.warm_start and served and nightly_tasks.warm_start_supported())
         parent = fetch_draft(served, config.publish.registry, p.artifacts) if served else None
-        if warm and parent is not None and served is not None:
-            vocab = run.stage("vocab", nightly_tasks.parent_vocab, fingerprint("parent-vocab", served.export_fingerprint),
-                              label="vocab (served)", draft_dir=parent, draft_id=served.draft_id)
-        else:
-            vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(p.vocab, assembled),
-                              config=p.vocab, prepared=assembled, target=target)
-        night["warm_start"] = warm
+        night["warm_start"] = warm = bool(config.warm_start and parent and nightly_tasks.warm_start_supported())
+        vocab = _vocab(run, p, target, assembled, parent if warm else None, served)
         with gpu_slot(run_dir, "draft"):
             trained = _train(run, p, target, assembled, vocab, parent if warm else None, served)
             exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(trained),
@@ -127,22 +153,15 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
             outcome["export_dir"] = exported.uri
             evaluated = _evaluate(run, p, "evaluate", target, exported, assembled)
             outcome |= {"acceptance_length": evaluated.stats["acceptance_length"], "evaluation": evaluated.uri}
-            served_acceptance = None
-            if served is not None and parent is not None:
-                parent_export = StageRecord(stage="export", uri=str(parent), fingerprint=served.export_fingerprint)
-                served_acceptance = float(_evaluate(run, p, "evaluate (served)", target, parent_export, assembled).stats["acceptance_length"])
+            in_service = None
+            if served is not None and parent is not None:  # the served draft, on the same held-out set
+                record = StageRecord(stage="export", uri=str(parent), fingerprint=served.export_fingerprint)
+                in_service = float(_evaluate(run, p, "evaluate (in service)", target, record, assembled).stats["acceptance_length"])
             vllm_adapter.release_all()
         night["gate"] = run.uncached("publish", nightly_tasks.publish_gate, config=config.publish,
                                      candidate=_candidate(exported, evaluated, assembled, served, warm),
-                                     served_acceptance=served_acceptance, exported=exported, vocab=vocab)
+                                     served_acceptance=in_service, exported=exported, vocab=vocab)
     finally:
         vllm_adapter.release_all()
-        summary = RunSummary(stages=list(run.rows), **outcome)
-        write_summary(run_dir / "summary.json", summary)
-        atomic_write_text(run_dir / "nightly.json", json.dumps(night, indent=1, default=str) + "\n")
-        gate = night.get("gate")
-        extra = ["## Gate", (f"{'Promoted' if gate['promoted'] else 'Not promoted'}: {gate['reason']}"
-                             if isinstance(gate, dict) else "_the run ended before the gate_")]
-        report = run_report(summary, run_dir, title="nightly-eagle3", sources=[trained.path if trained else None], extra=extra)
-        create_markdown_artifact(key="eagle3-nightly-summary", markdown=report, description="stages, acceptance, gate")
+        summary = _report(run, run_dir, outcome, night, trained)
     return summary

@@ -19,12 +19,20 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
+from typing import TextIO
 
 from prefect.logging import get_run_logger
 from prefect.logging.handlers import APILogHandler, PrefectConsoleHandler
 
 _FLAG = "eagle3_child_output"
 _active = threading.Lock()
+_original: dict[int, int] = {}  # fd -> the descriptor it pointed at before the redirection (while active)
+
+
+def terminal() -> TextIO | None:
+    """A text stream to the real stderr when it is a terminal (also while fds 1/2 go to the log), else None."""
+    fd = _original.get(2, 2)
+    return os.fdopen(os.dup(fd), "w", buffering=1) if os.isatty(fd) else None
 
 
 class _OnlyToApi(logging.Filter):
@@ -74,6 +82,7 @@ def child_output_to_logs() -> Iterator[None]:
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
+    _original.update(saved)
     readers: list[threading.Thread] = []
     consoles = [h for h in _handlers() if isinstance(h, PrefectConsoleHandler)]
     restore = [(h, h.console.file) for h in consoles]
@@ -96,6 +105,7 @@ def child_output_to_logs() -> Iterator[None]:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        _original.clear()
         for fd, original in saved.items():
             os.dup2(original, fd)  # our write end of the pipe is gone; children may still hold theirs
             os.close(original)

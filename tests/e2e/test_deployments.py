@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
 import re
 import shutil
 import signal
@@ -36,8 +37,9 @@ class Served:
     log_dir: Path
     lines: list[str] = field(default_factory=list)
 
-    def worker_log(self) -> str:
-        return (self.log_dir / "worker.log").read_text()[-6000:]
+    def worker_log(self, tail: int | None = 6000) -> str:
+        text = (self.log_dir / "worker.log").read_text()
+        return text[-tail:] if tail else text
 
     def pid(self, name: str) -> int:
         return int(next(m.group(1) for line in self.lines if (m := re.search(rf"{name} pid (\d+)", line))))
@@ -120,6 +122,12 @@ def retried(served: Served, tmp_path_factory) -> dict:
         first = run_deployment("train-eagle3/train-eagle3", parameters={"config": config.model_dump(mode="json")}, timeout=900)
     failed = {"state": first.state.name, "stages": _states(run_dir)}
     (run_dir / "artifacts" / "train").unlink()
+    # Retry once the failed attempt's process has exited (it takes some seconds to shut down after the run turns
+    # Failed): the worker tracks processes by flow run id, and a late exit code 1 would be reported as a crash of the retry.
+    deadline = time.time() + 120
+    while f"Process for flow run {first.name!r} exited" not in served.worker_log(tail=None):
+        assert time.time() < deadline, "the failed attempt's process did not exit in 120 s"
+        time.sleep(0.5)
     retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(first.id)], env=served.env,
                            capture_output=True, text=True, timeout=120)
     assert retry.returncode == 0, retry.stdout + retry.stderr
@@ -156,16 +164,34 @@ def _blocks(run_dir: Path) -> list[tuple[float, float]]:
     return list(zip(starts, ends, strict=True))
 
 
+def _read_all(fd: int, into: list[bytes]) -> None:
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the other end closed
+            return
+        if not chunk:
+            return
+        into.append(chunk)
+
+
 def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retried: dict, tmp_path: Path):
-    procs = {}
+    procs, terminal = {}, []
+    master, slave = pty.openpty()  # run a's stderr is a terminal: it shows progress bars there
     for name in ("a", "b"):  # upstream cached (a copy of the retried run's artifacts); train, export, evaluate run
         shutil.copytree(retried["run_dir"] / "artifacts", tmp_path / name / "artifacts")
         args = ["run", "--preset", "tiny", "--run-dir", str(tmp_path / name), "--set", "train.seed=1"]
         args += [a for s in SMALL for a in ("--set", s)]
-        procs[name] = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=served.env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[name] = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=served.env, text=True,
+                                       stdout=subprocess.PIPE, stderr=slave if name == "a" else subprocess.STDOUT)
+    os.close(slave)
+    reader = threading.Thread(target=_read_all, args=(master, terminal), daemon=True)
+    reader.start()
     outputs = {name: proc.communicate(timeout=900)[0] for name, proc in procs.items()}
+    reader.join(timeout=10)
+    os.close(master)
     assert all(proc.returncode == 0 for proc in procs.values()), outputs
+    assert f"train         [{'#' * 30}] 6/6 steps" in b"".join(terminal).decode(errors="replace")
     a, b = _blocks(tmp_path / "a"), _blocks(tmp_path / "b")
     assert len(a) == len(b) == 2
     # Not vacuous: some block was asked for before the other run released one, and got only after that release.

@@ -78,7 +78,7 @@ def test_day1_promotes_the_first_draft(nightly):
     (part,) = report["parts"]
     assert part["extract"] == "Completed" and part["shards_extracted"] > 0
     registry = nightly["root"] / "registry"
-    day1 = PublishedDraft.model_validate_json(next((registry / "drafts").glob("*/metadata.json")).read_text())
+    day1 = PublishedDraft.model_validate_json((registry / "drafts" / report["gate"]["draft_id"] / "metadata.json").read_text())
     assert day1.parent_draft is None and day1.data_files == ["2026-01-01"] and day1.acceptance_length >= 1.0
     assert day1.train_samples + day1.heldout_samples <= 14 and "+g" in day1.code_version
 

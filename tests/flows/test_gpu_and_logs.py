@@ -13,8 +13,8 @@ from tasks.gpu import GPU_LIMIT, SLOT_LOG, GpuLimitMissing, ensure_gpu_limit, gp
 from tasks.output import child_output_to_logs
 
 
-def _logs(flow_run_id, expect: str) -> list[str]:  # noqa: ANN001 - UUID
-    """The run's log messages, once `expect` is among them (logs reach the server in batches) or after 30 s."""
+def _logs(flow_run_id, expect: list[str]) -> list[str]:  # noqa: ANN001 - UUID
+    """The run's log messages, once all of `expect` are among them (logs reach the server in batches) or after 30 s."""
     import time
 
     from prefect.client.orchestration import get_client
@@ -25,7 +25,7 @@ def _logs(flow_run_id, expect: str) -> list[str]:  # noqa: ANN001 - UUID
         while True:
             logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
             messages = [log.message for log in logs]
-            if expect in messages or time.time() > deadline:
+            if all(e in messages for e in expect) or time.time() > deadline:
                 return messages
             time.sleep(0.5)
 
@@ -45,7 +45,8 @@ def test_child_process_output_reaches_the_run_log_once_and_the_terminal(prefect_
         engine()
 
     state = run(return_state=True)
-    messages = _logs(state.state_details.flow_run_id, expect="a python log line")
+    messages = _logs(state.state_details.flow_run_id,
+                     expect=["a python log line", "[stdout] hello from a child", "[stderr] progress 100%"])
     assert "[stdout] hello from a child" in messages
     assert "[stderr] progress 100%" in messages  # a progress bar's last state
     assert messages.count("a python log line") == 1  # not logged again through the pipe
@@ -85,3 +86,48 @@ def test_a_missing_gpu_limit_is_an_error_not_a_silent_pass(prefect_harness, tmp_
             run()
     finally:
         ensure_gpu_limit()
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from prefect import flow
+from tasks.gpu import gpu_slot
+
+@flow
+def hold() -> None:
+    with gpu_slot(Path(sys.argv[1]), "draft"):
+        print("holding", flush=True)
+        time.sleep(600)
+
+hold()
+"""
+
+
+def test_the_slot_of_a_killed_run_is_given_back_at_once_not_after_its_lease(prefect_harness, tmp_path: Path, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))  # holder notes of this test only
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value()}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "killed")], env=env, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # no chance to give the slot back
+        holder.wait()
+
+    @flow
+    def next_run() -> None:
+        with gpu_slot(tmp_path / "next", "draft"):
+            pass
+
+    started = time.time()
+    next_run()
+    assert time.time() - started < 30  # the killed run's lease (60 s) did not have to run out
+    assert not list((tmp_path / "cache" / "gpu-slot").glob("*.json"))
