@@ -96,10 +96,10 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-def _merge(base: dict, override: dict) -> dict:
+def merge_settings(base: dict, override: dict) -> dict:
     out = dict(base)
     for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge_settings(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -118,13 +118,15 @@ def parse_set(assignments: list[str]) -> dict:
     return out
 
 
-def build_config(preset: str | None = None, config_file: Path | None = None, overrides: list[str] | None = None, run_dir: str | None = None) -> PipelineConfig:
-    """Preset, then YAML file, then --set overrides, then --run-dir; validated once at the end."""
-    raw: dict = {}
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
-        raw = _merge(raw, PRESETS[preset])
+def preset_settings(preset: str) -> dict:
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
+    return merge_settings({}, PRESETS[preset])
+
+
+def layer_settings(base: dict, config_file: Path | None, overrides: list[str] | None) -> dict:
+    """`base`, then the YAML file, then --set overrides (not yet validated)."""
+    raw = dict(base)
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
@@ -132,8 +134,13 @@ def build_config(preset: str | None = None, config_file: Path | None = None, ove
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
-        raw = _merge(raw, loaded)
-    raw = _merge(raw, parse_set(overrides or []))
+        raw = merge_settings(raw, loaded)
+    return merge_settings(raw, parse_set(overrides or []))
+
+
+def build_config(preset: str | None = None, config_file: Path | None = None, overrides: list[str] | None = None, run_dir: str | None = None) -> PipelineConfig:
+    """Preset, then YAML file, then --set overrides, then --run-dir; validated once at the end."""
+    raw = layer_settings(preset_settings(preset) if preset is not None else {}, config_file, overrides)
     if run_dir is not None:
         raw["run_dir"] = run_dir
     try:

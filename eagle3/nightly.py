@@ -11,10 +11,9 @@ from __future__ import annotations
 from datetime import date
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eagle3.config import PRESETS, ConfigError, PipelineConfig, format_validation_error, parse_set
+from eagle3.config import ConfigError, PipelineConfig, format_validation_error, layer_settings, merge_settings, preset_settings
 from eagle3.publish import PublishConfig
 
 
@@ -47,32 +46,13 @@ class NightlyConfig(BaseModel):
         return self.today or date.today()
 
 
-def _merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def build_nightly_config(preset: str | None = None, config_file: Path | None = None, overrides: list[str] | None = None,
                          run_dir: str | None = None) -> NightlyConfig:
     """pipeline = the preset; then the YAML file, then --set overrides (e.g. publish.tolerance=0.1), then --run-dir."""
-    raw: dict = {}
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
-        raw = {"pipeline": _merge(PRESETS[preset], {"run_dir": f"runs/nightly-{preset}"})}
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
-        raw = _merge(raw, loaded)
-    raw = _merge(raw, parse_set(overrides or []))
+    base = {} if preset is None else {"pipeline": merge_settings(preset_settings(preset), {"run_dir": f"runs/nightly-{preset}"})}
+    raw = layer_settings(base, config_file, overrides)
     if run_dir is not None:
-        raw = _merge(raw, {"pipeline": {"run_dir": run_dir}})
+        raw = merge_settings(raw, {"pipeline": {"run_dir": run_dir}})
     try:
         return NightlyConfig.model_validate(raw)
     except ValidationError as err:
