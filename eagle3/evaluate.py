@@ -49,8 +49,9 @@ class EvalConfig(BaseModel):
     )
     served_kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget of the served engines (GiB).")
     near_tie_logprob_gap: float = Field(
-        default=0.1, ge=0, description="A greedy output that differs from the run without speculation counts as a "
-        "near-tie when the draft run's token is within this many nats of the top token at the first difference."
+        default=0.25, ge=0, description="A greedy output that differs from the run without speculation counts as a "
+        "near-tie when the draft run's token is the runner-up, within this many nats of the top token, at the first "
+        "difference (bf16 logits between 16 and 32 are 0.125 apart: 0.25 is two bf16 steps)."
     )
 
 

@@ -77,6 +77,7 @@ class ServedReport:
         rule = "|---|" + "---|" * len(self.per_position)
         row = "| accepted share | " + " | ".join(f"{p:.3f}" for p in self.per_position) + " |"
         unexplained = len(self.divergences) - self.near_ties
+        gaps = [f"{d.logprob_gap:.3f}" if d.logprob_gap is not None else "not in top 2" for d in self.divergences]
         speed = ""
         if self.seconds_speculative > 0 and self.seconds_reference > 0:
             speed = f"; wall time {self.seconds_speculative:.1f} s with the draft, {self.seconds_reference:.1f} s without"
@@ -86,7 +87,8 @@ class ServedReport:
             f"{header}\n{rule}\n{row}\n\n"
             f"Greedy output identical to the run without speculation: {self.identical}/{self.num_prompts} "
             f"({self.identical_share:.1%}); of the {len(self.divergences)} that differ, {self.near_ties} are near-ties "
-            f"(runner-up within {self.near_tie_gap} nats at the first differing token), {unexplained} are not.\n"
+            f"(runner-up within {self.near_tie_gap} nats at the first differing token), {unexplained} are not"
+            + (f"; gaps: {', '.join(gaps)}" if gaps else "") + ".\n"
         )
 
 
@@ -133,7 +135,7 @@ def served_acceptance(
     max_new_tokens: int,
     dtype: str = "auto",
     kv_cache_gib: float = 1.0,
-    near_tie_gap: float = 0.1,
+    near_tie_gap: float = 0.25,
 ) -> ServedReport:
     """Serve the target with and without the draft on `prompts` (greedy) and compare; see the module docstring."""
     if not prompts:
