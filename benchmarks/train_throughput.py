@@ -42,10 +42,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.batches import MicroBatch, pack  # noqa: E402
 from eagle3.draft import DraftConfig, Eagle3Draft, TTTCache, rope_cos_sin, ttt_attention_mask  # noqa: E402
+from eagle3.loss import batch_loss, fused_kl_loss  # noqa: E402
 from eagle3.store import FP8, Sample, StoreWriter, quantize_fp8  # noqa: E402
 from eagle3.target_head import TargetHead, read_target_config  # noqa: E402
-from eagle3.train import MicroBatch, TrainConfig, batch_loss, fused_kl_loss, pack, train_draft  # noqa: E402
+from eagle3.train import TrainConfig, train_draft  # noqa: E402
 from eagle3.vocab import VocabMapping, save_mapping  # noqa: E402
 
 SHAPE_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256, draft_vocab=32000,

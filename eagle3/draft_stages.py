@@ -57,8 +57,11 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
 
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
-              progress: TrainProgress | None = None) -> StageRecord:
+              progress: TrainProgress | None = None, init_from: Path | None = None) -> StageRecord:
     """Trains in place (checkpoints under the artifact folder), so a killed run resumes.
+
+    `init_from`: an exported draft to start from (the nightly warm start); the caller puts its
+    identity into `fp`.
 
     Every checkpoint is scored by simulated acceptance on the held-out store; the record's
     `checkpoint` is the best one (the export takes it), `last_checkpoint` the last.
@@ -71,7 +74,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
     result = train_draft(
         config, store_dir=extracted.path / "train", target_dir=Path(info.model_dir), head_path=target.path / HEAD_FILE,
         vocab_path=vocab.path / VOCAB_FILE, out_dir=final, progress=progress,
-        heldout_store_dir=heldout if len(StoreReader(heldout)) else None,
+        heldout_store_dir=heldout if len(StoreReader(heldout)) else None, init_from=init_from,
     )
     if result.checkpoint is None or result.best_checkpoint is None:
         raise RuntimeError(f"training in {final} ended without a checkpoint")
@@ -84,6 +87,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         "last_checkpoint": str(Path(result.checkpoint).relative_to(final)),
         "checkpoints_evaluated": len(result.evals),
         "best_acceptance_length": round(best["acceptance_length"], 4) if best else -1.0,
+        "init_from": str(init_from) if init_from is not None else "",
     }
     return mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint=fp, stats=stats))
 

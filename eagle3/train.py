@@ -1,17 +1,17 @@
 """Training the EAGLE-3 draft on stored hidden states, with TTT, checkpoints and resume.
 
-Loss: for every TTT step j (see eagle3.draft for the alignment), KL(target || draft)
-where the target distribution is softmax over the draft vocabulary of the target's own
-logits lm_head(norm(final state)) gathered at the draft vocabulary's target ids. Each
-row is weighted by the loss mask of the token it predicts; a step's loss is the weighted
-mean over rows, the total is the mean over steps. AdamW, linear warm-up, cosine decay.
+Loss: eagle3.loss (KL(target || draft) over the draft vocabulary, per TTT step, mean over
+steps). AdamW, linear warm-up, cosine decay.
 
-Data: samples are packed (whole, in a seeded per-epoch permutation) into micro-batches of
-at most `batch_tokens` tokens; attention never crosses a sample boundary. The data
-position (epoch, cursor) is part of every checkpoint, so a resumed run sees exactly the
-batches the uninterrupted run would have seen. Batches are read and packed ahead by a
-small thread pool (and copied to the GPU on a side stream), in the same order, so the
-device never waits for the disk while the trajectory stays the same.
+Data: eagle3.batches packs whole samples into micro-batches of at most `batch_tokens` tokens
+in a seeded per-epoch order. The data position (epoch, cursor) is part of every checkpoint,
+so a resumed run sees exactly the batches the uninterrupted run would have seen. Batches are
+read and packed ahead by a small thread pool (and copied to the GPU on a side stream), in the
+same order, so the device never waits for the disk while the trajectory stays the same.
+
+Warm start: `init_from` (an exported draft folder, e.g. the draft in service) replaces the
+fresh initial weights; its shape and vocabulary mapping must be this run's. A resumed run
+takes its checkpoint's weights, whatever `init_from` says.
 
 Checkpoints are scored by simulated acceptance on the held-out store (when given), logged
 to evals.jsonl; the best one is kept through pruning and named in the result: the export
@@ -26,26 +26,26 @@ import json
 import logging
 import math
 import os
-import struct
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3 import ddp
+from eagle3.batches import FIELDS, MicroBatch, next_batch_indices, read_batch, shard_header
 from eagle3.checkpoint import Checkpoint, checkpoint_name, clean_temporaries, latest_valid_checkpoint, save_checkpoint
-from eagle3.draft import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
+from eagle3.draft import DraftConfig, Eagle3Draft, init_draft
 from eagle3.evaluate import simulate_acceptance
-from eagle3.store import FP8, Sample, StoreReader, atomic_write_text, dequantize_fp8
-from eagle3.target_head import TargetHead, load_target_head, read_target_config, target_logits
+from eagle3.export import ExportError, load_exported_draft
+from eagle3.loss import batch_loss
+from eagle3.store import StoreReader, atomic_write_text
+from eagle3.target_head import TargetHead, load_target_head, read_target_config
 from eagle3.vocab import VocabMapping, load_mapping
 
 log = logging.getLogger(__name__)
@@ -119,158 +119,6 @@ class TrainResult:
     evals: list[dict] = field(default_factory=list)  # evals.jsonl: step, acceptance_length, per_position, checkpoint
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """Packed samples. L = total tokens, K = TTT steps, n_aux aux states.
-
-    For step j, row r's target distribution is the final state's at row r+1+j whenever its
-    weight is non-zero (ttt_alignment: a weighted row predicts a token inside its own sample),
-    so the loss reads it as a shifted slice, with no gather.
-    """
-
-    states: torch.Tensor  # [L, n_aux+1, H] as stored: [:, :n_aux] aux, [:, -1] final (before the target's norm)
-    scales: torch.Tensor | None  # [L, n_aux+1] float32 for fp8 stores (state = value * scale), else None
-    step_tokens: torch.Tensor  # [K, L] int64 input token of each step
-    positions: torch.Tensor  # [L] int64 position inside its sample
-    doc_ids: torch.Tensor  # [L] int64 sample index inside the batch
-    weights: torch.Tensor  # [K, L] float loss weight
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-        return MicroBatch(**{k: None if getattr(self, k) is None else fn(getattr(self, k)) for k in _FIELDS})
-
-    def split_states(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux [L, n_aux, H], final [L, H]) in `dtype`, dequantized from fp8 where stored so."""
-        states = self.states if self.scales is None else dequantize_fp8(self.states, self.scales, dtype)
-        states = states.to(dtype)
-        return states[:, :-1], states[:, -1]
-
-
-_FIELDS = tuple(MicroBatch.__dataclass_fields__)
-
-
-def pack(samples: list[Sample], steps: int, max_tokens: int) -> MicroBatch:
-    """Concatenate samples (each cut to max_tokens) into one TTT micro-batch."""
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in _FIELDS if k != "scales"}
-    for doc, sample in enumerate(samples):
-        length = min(sample.num_tokens, max_tokens)
-        step_tokens, _, weights = ttt_alignment(sample.input_ids[:length], sample.loss_mask[:length], steps)  # [K, T]
-        parts["states"].append(sample.hidden_states[:length])  # [T, n_aux+1, H]
-        parts["step_tokens"].append(step_tokens)
-        parts["positions"].append(torch.arange(length))
-        parts["doc_ids"].append(torch.full((length,), doc))
-        parts["weights"].append(weights.float())
-    dims = {"step_tokens": 1, "weights": 1}
-    return MicroBatch(scales=None, **{k: torch.cat(v, dim=dims.get(k, 0)) for k, v in parts.items()})
-
-
-# -- reading micro-batches straight from the store's shards ------------------------------
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": FP8,
-                       "I64": torch.int64, "BOOL": torch.bool}
-
-
-def _shard_header(path: str) -> tuple[int, dict]:
-    """(offset of the data section, header) of a safetensors file (the format's 8-byte length + JSON).
-    Cached per (path, size, mtime): a shard rewritten in place is read afresh."""
-    stat = os.stat(path)
-    return _header_of(path, stat.st_size, stat.st_mtime_ns)
-
-
-@lru_cache(maxsize=4096)
-def _header_of(path: str, size: int, mtime_ns: int) -> tuple[int, dict]:
-    with open(path, "rb") as handle:
-        length = struct.unpack("<Q", handle.read(8))[0]
-        return 8 + length, json.loads(handle.read(length))
-
-
-def _read_rows(handle, path: str, name: str, rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Read tensor `name` (its first `rows` rows) from an open shard into `out` (or a new tensor).
-
-    One read system call straight into the destination's memory (pinned, for the GPU), with
-    the GIL released: no intermediate copy, and reader threads do not stall the training loop.
-    """
-    start, header = _shard_header(path)
-    entry = header[name]
-    shape = list(entry["shape"])
-    if rows is not None:
-        shape[0] = min(shape[0], rows)
-    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-    if out is None:
-        out = torch.empty(shape, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-    handle.seek(start + entry["data_offsets"][0])
-    done = 0
-    while done < nbytes:
-        got = handle.readinto(view[done:])
-        if not got:
-            raise TrainError(f"shard {path} ends inside tensor {name}; the store is damaged: re-run the extract stage")
-        done += got
-    return out
-
-
-def read_batch(locations: list[tuple[str, int]], indices: list[int], steps: int, max_tokens: int,
-               pin: bool) -> MicroBatch:
-    """The micro-batch of samples `indices` (locations[i] = (shard path, position in shard)), read
-    from the shards into one (pinned when `pin`) buffer; fp8 states stay fp8 (dequantized on the device)."""
-    heads = [_shard_header(locations[i][0])[1] for i in indices]
-    lengths = [min(h[f"{locations[i][1]}.input_ids"]["shape"][0], max_tokens) for h, i in zip(heads, indices, strict=True)]
-    first = heads[0][f"{locations[indices[0]][1]}.hidden_states"]
-    total, fp8 = sum(lengths), first["dtype"] == "F8_E4M3"
-    states = torch.empty([total, *first["shape"][1:]], dtype=_SAFETENSORS_DTYPES[first["dtype"]], pin_memory=pin)
-    scales = torch.empty([total, first["shape"][1]], dtype=torch.float32, pin_memory=pin) if fp8 else None
-    parts: dict[str, list[torch.Tensor]] = {"step_tokens": [], "positions": [], "doc_ids": [], "weights": []}
-    offset = 0
-    for doc, (index, length) in enumerate(zip(indices, lengths, strict=True)):
-        path, j = locations[index]
-        with open(path, "rb", buffering=0) as handle:
-            ids = _read_rows(handle, path, f"{j}.input_ids", length)  # [T]
-            mask = _read_rows(handle, path, f"{j}.loss_mask", length)  # [T]
-            _read_rows(handle, path, f"{j}.hidden_states", length, states[offset : offset + length])
-            if scales is not None:
-                _read_rows(handle, path, f"{j}.hidden_scales", length, scales[offset : offset + length])
-        step_tokens, _, weights = ttt_alignment(ids, mask, steps)  # [K, T] each
-        parts["step_tokens"].append(step_tokens)
-        parts["positions"].append(torch.arange(length))
-        parts["doc_ids"].append(torch.full((length,), doc))
-        parts["weights"].append(weights.float())
-        offset += length
-    small = {k: torch.cat(v, dim=1 if k in ("step_tokens", "weights") else 0) for k, v in parts.items()}
-    return MicroBatch(states=states, scales=scales, **{k: v.pin_memory() if pin else v for k, v in small.items()})
-
-
-@lru_cache(maxsize=4)
-def _order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return tuple(torch.randperm(num_samples, generator=generator).tolist())
-
-
-def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    """The sample order of one epoch: a permutation fixed by (seed, epoch)."""
-    return torch.tensor(_order(num_samples, seed, epoch))
-
-
-def next_batch_indices(
-    lengths: list[int], seed: int, epoch: int, cursor: int, max_tokens: int
-) -> tuple[list[int], int, int]:
-    """Sample indices of the next micro-batch and the new (epoch, cursor). Batches never span epochs."""
-    if cursor >= len(lengths):
-        epoch, cursor = epoch + 1, 0
-    order = _order(len(lengths), seed, epoch)
-    chosen, used = [], 0
-    while cursor < len(order):
-        size = min(lengths[order[cursor]], max_tokens)
-        if chosen and used + size > max_tokens:
-            break
-        chosen.append(order[cursor])
-        used += size
-        cursor += 1
-    return chosen, epoch, cursor
-
-
 def lr_at(step: int, config: TrainConfig) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine decay."""
     if step < config.warmup_steps:
@@ -280,66 +128,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
 
-def kl_loss(draft_logits: torch.Tensor, target_logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted mean over rows of KL(target || draft). [L, Vd], [L, Vd], [L] -> scalar. The definition;
-    training computes the same with `fused_kl_loss`."""
-    draft_logq = F.log_softmax(draft_logits.float(), dim=-1)  # [L, Vd]
-    kl = (target_logp.exp() * (target_logp - draft_logq)).sum(-1)  # [L]
-    return (kl * weights).sum() / weights.sum().clamp_min(1.0)
-
-
-class _FusedKL(torch.autograd.Function):
-    """kl_loss with few passes over the [L, Vd] logits: KL = sum p log p - sum p log q, where the
-    first term is precomputed per target row, and the gradient (softmax(z) - p) * w / sum(w) is
-    written in place. About a third of the memory traffic of the composed eager version."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, neg_entropy: torch.Tensor, weights: torch.Tensor):  # noqa: ANN001, ANN205
-        with torch.autocast(logits.device.type, enabled=False):
-            logq = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [L, Vd]
-            cross = torch.bmm(probs[:, None, :], logq[:, :, None]).view(-1)  # [L]: sum_v p log q
-            denom = weights.sum().clamp_min(1.0)
-            ctx.save_for_backward(logq, probs, weights, denom)
-            ctx.logits_dtype = logits.dtype
-            return ((neg_entropy - cross) * weights).sum() / denom
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        logq, probs, weights, denom = ctx.saved_tensors
-        out = logq.exp_()  # softmax(z), in place: logq is not needed again
-        out.sub_(probs).mul_((weights * (grad / denom))[:, None])  # [L, Vd]
-        return out.to(ctx.logits_dtype), None, None, None
-
-
-def fused_kl_loss(logits: torch.Tensor, probs: torch.Tensor, neg_entropy: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """kl_loss(logits, log(probs), weights) given probs [L, Vd] (fp32, rows sum to 1) and
-    neg_entropy [L] = sum_v p log p: logits [L, Vd] -> scalar."""
-    return _FusedKL.apply(logits, probs, neg_entropy, weights)
-
-
-def batch_loss(
-    model: Eagle3Draft, batch: MicroBatch, head: TargetHead, one_doc: bool = False
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Mean-over-steps loss and the per-step losses of one micro-batch.
-
-    `head.lm_head` holds only the draft vocabulary's rows of the target's; its dtype is the
-    compute dtype. `one_doc`: the batch is one sample (plain causal attention).
-    """
-    aux, final = batch.split_states(head.embed.dtype)  # [L, n_aux, H], [L, H]
-    with torch.no_grad():
-        target_logp = F.log_softmax(target_logits(head, final).float(), dim=-1)  # [L, Vd]
-        probs = target_logp.exp()  # [L, Vd]
-        neg_entropy = (probs * target_logp).sum(-1)  # [L]
-    per_step = []
-    drafts = model.unroll(aux, batch.step_tokens, batch.positions, None if one_doc else batch.doc_ids, head.embed)
-    for step, draft_logits in enumerate(drafts):  # draft_logits [L, Vd]
-        rows = batch.num_tokens - 1 - step  # row r reads the target at r+1+step (see MicroBatch)
-        if rows <= 0:
-            per_step.append(draft_logits.sum() * 0.0)
-            continue
-        per_step.append(fused_kl_loss(draft_logits[:rows], probs[1 + step :], neg_entropy[1 + step :],
-                                      batch.weights[step, :rows]))
-    return torch.stack(per_step).mean(), per_step
 
 
 @dataclass
@@ -363,7 +151,8 @@ class _Run:
     tokens_seen: int = 0
 
 
-def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Path, vocab_path: Path) -> _Run:
+def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Path, vocab_path: Path,
+           init_from: Path | None) -> _Run:
     ctx = ddp.context_from_env()
     ddp.check_grad_accum(config.grad_accum, ctx)
     reader = StoreReader(store_dir)
@@ -386,6 +175,8 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     full_head = load_target_head(head_path, target)
     model = Eagle3Draft(draft_config)
     init_draft(model, full_head, mapping, config.seed)
+    if init_from is not None:
+        _warm_start(model, mapping, Path(init_from))
     model.to(device)
     # Only the draft vocabulary's rows of the target's lm_head are ever used in training.
     head = replace(full_head, lm_head=full_head.lm_head[mapping.target_ids]).to(
@@ -397,13 +188,31 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
         lr=config.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
     meta = {"train_config": config.model_dump(), "draft_config": draft_config.model_dump(),
-            "aux_layer_ids": reader.aux_layer_ids, "num_samples": len(reader)}
+            "aux_layer_ids": reader.aux_layer_ids, "num_samples": len(reader),
+            "init_from": None if init_from is None else str(init_from)}
     locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
-    lengths = [_shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in locations]
+    lengths = [shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in locations]
     if too_long := sum(length > config.batch_tokens for length in lengths):
         log.warning("%d of %d samples are longer than train.batch_tokens=%d; they are cut to that length",
                     too_long, len(lengths), config.batch_tokens)
     return _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx)
+
+
+def _warm_start(model: Eagle3Draft, mapping: VocabMapping, init_from: Path) -> None:
+    """Load an exported draft's weights into the freshly built `model` (same shape, same d2t/t2d)."""
+    try:
+        parent, parent_mapping = load_exported_draft(init_from)
+    except (OSError, KeyError, ValueError, ExportError) as err:
+        raise TrainError(f"train init_from={init_from}: not a readable exported draft ({err}); point it at an "
+                         "export folder (config.json + model.safetensors) or start from scratch") from err
+    if parent.config != model.config:
+        changed = sorted(k for k, v in model.config.model_dump().items() if parent.config.model_dump().get(k) != v)
+        raise TrainError(f"train init_from={init_from}: the draft there differs from this run's in "
+                         f"{', '.join(changed)}; warm starts need the same target, aux layers and draft vocabulary")
+    if not (torch.equal(parent_mapping.d2t, mapping.d2t) and torch.equal(parent_mapping.t2d, mapping.t2d)):
+        raise TrainError(f"train init_from={init_from}: its vocabulary mapping (d2t/t2d) is not this run's; its "
+                         "lm_head rows belong to other tokens. Train with the parent's vocab.safetensors")
+    model.load_state_dict(parent.state_dict())
 
 
 class _BatchStream:
@@ -454,7 +263,7 @@ class _BatchStream:
         if event is not None:
             stream = torch.cuda.current_stream(self.run.device)
             stream.wait_event(event)
-            for tensor in (getattr(batch, name) for name in _FIELDS):
+            for tensor in (getattr(batch, name) for name in FIELDS):
                 if tensor is not None:
                     tensor.record_stream(stream)  # allocated on the copy stream, used on this one
         return batch, tokens, num_docs == 1
@@ -584,12 +393,14 @@ def train_draft(
     progress: Callable[[int, int, float], None] | None = None,
     stop_after: int | None = None,
     heldout_store_dir: Path | None = None,
+    init_from: Path | None = None,
 ) -> TrainResult:
     """Train (or resume training) the draft; checkpoints, losses.jsonl and evals.jsonl go under out_dir.
 
     `stop_after` ends the call once the trajectory reaches that step, writing no extra
     checkpoint: it behaves like an interruption (tests use it to check resume).
     `heldout_store_dir`: score every checkpoint by simulated acceptance there (see the module docstring).
+    `init_from`: an exported draft folder to start from instead of fresh weights (warm start).
     """
     started = time.monotonic()
     out_dir = Path(out_dir)
@@ -598,7 +409,7 @@ def train_draft(
     deterministic = config.deterministic if config.deterministic is not None else not torch.cuda.is_available()
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
-        run = _setup(config, Path(store_dir), Path(target_dir), Path(head_path), Path(vocab_path))
+        run = _setup(config, Path(store_dir), Path(target_dir), Path(head_path), Path(vocab_path), init_from)
         resumed = _resume(run, out_dir)
         result = _loop(run, out_dir, resumed, progress, stop_after, heldout_store_dir, Path(head_path), target_dir)
     finally:

@@ -144,7 +144,7 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
         night["parts"] = [info for _, info in done]
         assembled = run.stage("assemble", nightly_tasks.assemble, incremental.fingerprint_assemble(parts), parts=parts)
         parent = fetch_draft(served, config.publish.registry, p.artifacts) if served else None
-        night["warm_start"] = warm = bool(config.warm_start and parent and nightly_tasks.warm_start_supported())
+        night["warm_start"] = warm = bool(config.warm_start and parent)
         vocab = _vocab(run, p, target, assembled, parent if warm else None, served)
         with gpu_slot(run_dir, "draft"):
             trained = _train(run, p, target, assembled, vocab, parent if warm else None, served)

@@ -3,7 +3,6 @@ train from the served draft, and the publish gate."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 from prefect import task
@@ -20,11 +19,6 @@ from tasks.progress import progress_reporter
 GATE_ARTIFACT = "eagle3-nightly-gate"
 
 
-def warm_start_supported() -> bool:
-    """True once the trainer takes initial weights (draft_stages.run_train(..., init_from=<draft dir>))."""
-    return "init_from" in inspect.signature(draft_stages.run_train).parameters
-
-
 @task(name="assemble")
 def assemble(parts: list[tuple[str, StageRecord, StageRecord]], root: Path, fp: str) -> StageRecord:
     return incremental.run_assemble(parts, root, fp)
@@ -39,7 +33,7 @@ def parent_vocab(draft_dir: Path, draft_id: str, root: Path, fp: str) -> StageRe
 def warm_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, init_from: Path,
                root: Path, fp: str) -> StageRecord:
     report = progress_reporter("train", "steps")
-    return draft_stages.run_train(config, target, extracted, vocab, root, fp,  # type: ignore[call-arg]
+    return draft_stages.run_train(config, target, extracted, vocab, root, fp,
                                   progress=lambda step, total, loss: report(step, total), init_from=init_from)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.artifacts import read_complete
 from eagle3.data import DataConfig, load_conversations
 from eagle3.publish import PublishedDraft
-from tasks.nightly import warm_start_supported
 from tests.e2e.conftest import run_cli
 
 SMALL = ["pipeline.data.max_samples=14", "pipeline.regenerate.max_new_tokens=8", "pipeline.train.steps=6",
@@ -94,7 +94,12 @@ def test_day2_extracts_only_the_new_file_and_the_gate_refuses(nightly):
     assert not report["gate"]["promoted"] and "gate: not promoted" in stdout
     assert report["gate"]["served"] is not None  # the served draft was evaluated on the same held-out set
     assert nightly["served_after_refusal"] == nightly["served_day1"]  # the registry was not touched
-    assert report["warm_start"] == warm_start_supported()
+    # Day 2 trained from the served draft's weights (the train stage names where it started).
+    assert report["warm_start"] is True
+    train = next(r for r in summary["stages"] if r["name"] == "train (warm)")
+    init_from = read_complete(Path(train["artifact"])).stats["init_from"]
+    day1_draft = nightly["root"] / "registry" / "drafts" / nightly["day1"][0]["gate"]["draft_id"]
+    assert Path(str(init_from)).resolve() == day1_draft.resolve()
 
 
 def test_day2_promoted_when_the_gate_allows_with_nothing_extracted_again(nightly):
@@ -102,7 +107,7 @@ def test_day2_promoted_when_the_gate_allows_with_nothing_extracted_again(nightly
     assert report["gate"]["promoted"]
     assert [p["shards_extracted"] for p in report["parts"]] == [0, 0]
     current = _current(nightly["root"])
-    assert current.parent_draft == nightly["day1"][0]["gate"]["draft_id"]
+    assert current.parent_draft == nightly["day1"][0]["gate"]["draft_id"] and current.warm_start
     assert current.data_files == ["2026-01-01", "2026-01-02"] and current.draft_id == report["gate"]["draft_id"]
     assert (nightly["root"] / "registry" / "current").resolve() == Path(current.path).resolve()
     assert len(list((nightly["root"] / "registry" / "drafts").iterdir())) == 2

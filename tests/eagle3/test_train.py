@@ -11,9 +11,10 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from eagle3.batches import next_batch_indices
 from eagle3.checkpoint import list_checkpoints, load_checkpoint
 from eagle3.store import StoreReader
-from eagle3.train import TrainConfig, TrainError, lr_at, next_batch_indices, train_draft
+from eagle3.train import TrainConfig, TrainError, lr_at, train_draft
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world, trained_run  # noqa: F401
 
 
@@ -168,7 +169,7 @@ def test_resume_keeps_the_held_out_scores_and_scores_what_is_missing(tmp_path):
 
 
 def test_fused_kl_equals_the_definition_with_gradients():
-    from eagle3.train import fused_kl_loss, kl_loss
+    from eagle3.loss import fused_kl_loss, kl_loss
 
     generator = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(7, 50, generator=generator)).requires_grad_(True)
@@ -186,9 +187,10 @@ def test_fused_kl_equals_the_definition_with_gradients():
 def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
     """The loss reads row r's target at r+1+j as a slice; it equals the explicit gather of
     ttt_alignment's target positions, on a batch of several packed samples."""
+    from eagle3.batches import pack
     from eagle3.draft import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
+    from eagle3.loss import batch_loss, kl_loss
     from eagle3.target_head import read_target_config, target_logits
-    from eagle3.train import batch_loss, kl_loss, pack
     from eagle3.vocab import load_mapping
     from tests.eagle3.draft_fixtures import tiny_head
 
@@ -213,8 +215,8 @@ def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_batches_read_straight_from_the_shards_equal_the_store_readers(tmp_path, dtype):
+    from eagle3.batches import pack, read_batch
     from eagle3.store import StoreWriter
-    from eagle3.train import pack, read_batch
 
     world = tiny_world()
     source = StoreReader(world.train_store)
