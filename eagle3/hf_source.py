@@ -17,11 +17,13 @@ States stay on the model's device (extraction copies them to the host on a side 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from eagle3.capture import CaptureError
+from eagle3.gpu_preflight import target_preflight
 from eagle3.layers import DecoderStack, resolve_decoder_stack
 
 
@@ -115,6 +117,9 @@ def load_hf_target(model_dir: str, *, dtype: str = "auto", device: str | None = 
     """Load a target folder with transformers for `HFSource` (eval mode; CUDA when available)."""
     from transformers import AutoModelForCausalLM
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda":
+        target_preflight(Path(model_dir), 1, 0.0)  # no KV cache: one prefill's activations are small
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code)
-    return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+    return model.to(device).eval()

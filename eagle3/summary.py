@@ -26,6 +26,14 @@ class RunSummary(BaseModel):
     acceptance_length: float | None = Field(default=None, description="Simulated acceptance length on held-out samples")
     export_dir: str | None = Field(default=None, description="The exported speculators-format draft")
     evaluation: str | None = Field(default=None, description="Folder of the evaluation report")
+    gpu_cleanup: list[dict] = Field(
+        default_factory=list, description="Each gpu_cleanup report of this run, in order: holders found, what was "
+        "done to each, GPU memory before and after"
+    )
+    target_loads: list[dict] = Field(
+        default_factory=list, description="Each target load of this run (logs/target_loads.jsonl): seconds, and the "
+        "GPU memory preflight done before it"
+    )
 
     @property
     def failed(self) -> bool:
@@ -38,12 +46,22 @@ class RunSummary(BaseModel):
             lines += ["", f"**Acceptance length (simulated, held-out): {self.acceptance_length:.3f}**"]
         if self.export_dir:
             lines += [f"Exported draft: `{self.export_dir}`"]
+        for number, report in enumerate(self.gpu_cleanup, start=1):
+            lines += [f"gpu_cleanup {number}: {report.get('summary', '')}"]
         return "\n".join(lines)
 
 
 def write_summary(path: Path, summary: RunSummary) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(summary.model_dump(mode="json"), indent=1) + "\n")
+
+
+def loads_since(load_log: Path, since: float) -> list[dict]:
+    """Target loads recorded in `load_log` at or after `since` (a time.time() value): this run's."""
+    if not Path(load_log).is_file():
+        return []
+    lines = (line for line in Path(load_log).read_text().splitlines() if line.strip())
+    return [entry for entry in map(json.loads, lines) if entry.get("time", 0) >= since]
 
 
 def read_summary(path: Path) -> RunSummary:

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3.gpu_preflight import target_preflight
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -118,6 +120,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(spec.kv_cache_gib))))
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads the V1 runner's row map
     vllm = _import_vllm()
+    checked = target_preflight(Path(spec.model_dir), spec.tensor_parallel_size, spec.kv_cache_gib)
     started = time.time()
     llm = vllm.LLM(
         model=spec.model_dir,
@@ -135,7 +138,8 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     if spec.load_log:
         Path(spec.load_log).parent.mkdir(parents=True, exist_ok=True)
         with open(spec.load_log, "a") as handle:
-            handle.write(json.dumps({"model": spec.model_dir, "pid": os.getpid(), "seconds": round(time.time() - started, 2), "time": time.time()}) + "\n")
+            handle.write(json.dumps({"model": spec.model_dir, "pid": os.getpid(), "seconds": round(time.time() - started, 2),
+                                     "time": time.time(), "preflight": checked}) + "\n")
     return llm
 
 
@@ -315,6 +319,7 @@ def load_serving_engine(
         if num_speculative_tokens < 1:
             raise VllmUnsupported(f"num_speculative_tokens is {num_speculative_tokens}; expected >= 1 with a draft")
         speculative = {"method": "eagle3", "model": str(speculative_dir), "num_speculative_tokens": num_speculative_tokens}
+    target_preflight(Path(model_dir), 1, kv_cache_gib)
     return vllm.LLM(
         model=str(model_dir),
         dtype=dtype,

@@ -15,6 +15,7 @@ file in this run, and the gate's decision.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prefect import flow
@@ -27,7 +28,7 @@ from eagle3.fingerprint import fingerprint
 from eagle3.nightly import NightlyConfig
 from eagle3.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
 from eagle3.store import atomic_write_text
-from eagle3.summary import RunSummary, write_summary
+from eagle3.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
 from flows.runner import StageRunner
 from flows.train_eagle3 import with_prepared
@@ -37,6 +38,7 @@ from tasks import stages as data_tasks
 from tasks.gpu import gpu_cleanup, gpu_slot
 
 Part = tuple[str, StageRecord, StageRecord]  # (file label, prepared, extracted)
+WARM_START_VERSION = "1"  # of the warm-start train and parent-vocab fingerprints
 
 
 def _part(run: StageRunner, p: PipelineConfig, file: incremental.IncomingFile, target: StageRecord,
@@ -78,7 +80,7 @@ def _train(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: 
     fp = draft_stages.fingerprint_train(p.train, assembled, vocab, target)
     if parent is None or served is None:
         return run.stage("train", draft_tasks.train, fp, config=p.train, target=target, extracted=assembled, vocab=vocab)
-    return run.stage("train", nightly_tasks.warm_train, fingerprint("warm-start", fp, served.export_fingerprint),
+    return run.stage("train", nightly_tasks.warm_train, fingerprint("train-warm-start", WARM_START_VERSION, {}, fp, served.export_fingerprint),
                      label="train (warm)", config=p.train, target=target, extracted=assembled, vocab=vocab, init_from=parent)
 
 
@@ -86,7 +88,7 @@ def _vocab(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: 
            served: PublishedDraft | None) -> StageRecord:
     """The served draft's vocabulary on a warm start (its lm_head rows are tied to it), else one built from the data."""
     if parent is not None and served is not None:
-        return run.stage("vocab", nightly_tasks.parent_vocab, fingerprint("parent-vocab", served.export_fingerprint),
+        return run.stage("vocab", nightly_tasks.parent_vocab, fingerprint("parent-vocab", WARM_START_VERSION, {}, served.export_fingerprint),
                          label="vocab (in service)", draft_dir=parent, draft_id=served.draft_id)
     return run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(p.vocab, assembled),
                      config=p.vocab, prepared=assembled, target=target)
@@ -94,7 +96,7 @@ def _vocab(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: 
 
 def _report(run: StageRunner, run_dir: Path, outcome: dict, night: dict, trained: StageRecord | None) -> RunSummary:
     """summary.json, nightly.json and the report artifact, whether the run got to the end or not."""
-    summary = RunSummary(stages=list(run.rows), **outcome)
+    summary = RunSummary(stages=list(run.rows), **outcome)  # outcome holds gpu_cleanup and target_loads
     write_summary(run_dir / "summary.json", summary)
     atomic_write_text(run_dir / "nightly.json", json.dumps(night, indent=1, default=str) + "\n")
     gate = night.get("gate")
@@ -130,16 +132,18 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
     known = set(served.data_files) if served else set()
     night: dict[str, object] = {"files": [f.name for f in files], "served_before": served.draft_id if served else None,
                                 "new_files": [f.name for f in files if Path(f.name).stem not in known]}
-    outcome: dict[str, object] = {}
+    outcome: dict[str, object] = {"gpu_cleanup": []}
+    cleanups: list[dict] = outcome["gpu_cleanup"]  # type: ignore[assignment]
+    started = time.time()
     trained = None
     try:
         with gpu_slot(run_dir, "target"):
-            run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir)
+            cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir))
             target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(p.target),
                                config=p.target, cache_dir=p.builtin_cache)
             done = [_part(run, p, file, target, load_log) for file in files]
             vllm_adapter.release_all()
-            run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir)
+            cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir))
         parts = [part for part, _ in done]
         night["parts"] = [info for _, info in done]
         assembled = run.stage("assemble", nightly_tasks.assemble, incremental.fingerprint_assemble(parts), parts=parts)
@@ -163,5 +167,6 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
                                      served_acceptance=in_service, exported=exported, vocab=vocab)
     finally:
         vllm_adapter.release_all()
+        outcome["target_loads"] = loads_since(load_log, started)
         summary = _report(run, run_dir, outcome, night, trained)
     return summary

@@ -19,6 +19,7 @@ id: every stage that finished comes back Cached, the failed one and those after 
 from __future__ import annotations
 
 import inspect
+import time
 from pathlib import Path
 
 from prefect import flow
@@ -27,7 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from eagle3 import draft_stages, stages, vllm_adapter
 from eagle3.artifacts import StageRecord
 from eagle3.config import PipelineConfig
-from eagle3.summary import RunSummary, write_summary
+from eagle3.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
 from flows.runner import StageFailed, StageRunner
 from tasks import draft as draft_tasks
@@ -52,10 +53,12 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
     load_log = run_dir / "logs" / "target_loads.jsonl"
     run = StageRunner(config.artifacts)
     outcome: dict[str, object] = {}
+    cleanups: list[dict] = []
+    started = time.time()
     trained = None
     try:
         with gpu_slot(run_dir, "target"):
-            run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir)
+            cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
             target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
                                config=config.target, cache_dir=config.builtin_cache)
             regen = run.stage("regenerate", data_tasks.regenerate,
@@ -67,7 +70,7 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
             extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(config.extract, config.target, prepared, target),
                                   config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
             vllm_adapter.release_all()  # free the target's memory before training
-            run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir)
+            cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
         vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(config.vocab, prepared),
                           config=config.vocab, prepared=prepared, target=target)
         with gpu_slot(run_dir, "draft"):
@@ -85,7 +88,8 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
             vllm_adapter.release_all()
     finally:
         vllm_adapter.release_all()
-        summary = RunSummary(stages=list(run.rows), **outcome)
+        summary = RunSummary(stages=list(run.rows), gpu_cleanup=cleanups, target_loads=loads_since(load_log, started),
+                             **outcome)
         write_summary(run_dir / "summary.json", summary)
         report = run_report(summary, run_dir, title="train-eagle3", sources=[trained.path if trained else None])
         create_markdown_artifact(key="eagle3-run-summary", markdown=report, description="stages, acceptance, plots")

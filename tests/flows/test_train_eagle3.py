@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -42,6 +41,11 @@ def test_first_run_completes_every_stage_and_writes_the_summary(first_run):
     assert on_disk["acceptance_length"] == summary.acceptance_length
     assert (Path(summary.export_dir) / "config.json").is_file()
     assert _loads(Path(config.run_dir)) == 1  # regenerate and extract shared one load
+    # Both gpu_cleanup reports and the load (with its GPU memory preflight) are in summary.json.
+    assert [c["mode"] for c in on_disk["gpu_cleanup"]] == ["own", "own"]
+    assert all("gpu cleanup (mode own)" in c["summary"] for c in on_disk["gpu_cleanup"])
+    (load,) = on_disk["target_loads"]
+    assert load["preflight"]["need_mib"] > 0 and "checked" in load["preflight"]
 
 
 def test_second_run_is_all_cached_and_loads_nothing(first_run):
@@ -52,6 +56,7 @@ def test_second_run_is_all_cached_and_loads_nothing(first_run):
     assert set(_states(summary).values()) == {"Cached"}
     assert [r.state for r in summary.stages if r.name == "gpu_cleanup"] == ["Completed", "Completed"]
     assert _loads(Path(config.run_dir)) == 1
+    assert summary.target_loads == [] and len(summary.gpu_cleanup) == 2
 
 
 def test_changing_the_draft_vocab_reruns_only_downstream(first_run):
