@@ -15,6 +15,8 @@ the ones named in `protect` (the trainer protects the best one by held-out accep
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from eagle3.store import sha256_file
 
@@ -81,17 +83,16 @@ def save_checkpoint(
     final = root / checkpoint_name(step)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
-    torch.save(state, tmp / STATE)
-    files = {}
-    for name in (WEIGHTS, STATE):
-        _fsync(tmp / name)
-        files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-    record = {"format_version": FORMAT_VERSION, "step": step, "files": files} | meta
-    (tmp / META).write_text(json.dumps(record, indent=1))
-    _fsync(tmp / META)
-    _fsync(tmp)
+    try:
+        _write_folder(tmp, step, weights, state, meta)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind, under any name
+        if isinstance(err, OSError):
+            raise CheckpointError(
+                f"writing checkpoint {final} failed ({err.strerror or err}); nothing was written under that name and "
+                f"the earlier checkpoints are kept: free space under {root} and run again to resume from the last one"
+            ) from err
+        raise
     if final.exists():  # the same step again (a rerun): move the old one aside first
         old = root / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
@@ -102,6 +103,31 @@ def save_checkpoint(
         if stale.name not in protect:
             shutil.rmtree(stale)
     return final
+
+
+def _write_folder(tmp: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, object],
+                  meta: dict[str, object]) -> None:
+    """The checkpoint's three files in `tmp`, fsynced (meta.json last, with the others' sizes and sha256)."""
+    tmp.mkdir()
+    # Serialized in memory, written by Python: a full disk then raises OSError(ENOSPC), where
+    # torch.save and safetensors' save_file would report "iostream error" / "unexpected pos".
+    state_bytes = io.BytesIO()
+    torch.save(state, state_bytes)
+    blobs = {WEIGHTS: save({k: v.detach().contiguous().cpu() for k, v in weights.items()}), STATE: state_bytes.getvalue()}
+    files = {}
+    for name, blob in blobs.items():
+        _write_bytes(tmp / name, blob)
+        files[name] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    record = {"format_version": FORMAT_VERSION, "step": step, "files": files} | meta
+    _write_bytes(tmp / META, json.dumps(record, indent=1).encode())
+    _fsync(tmp)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -7,6 +7,12 @@ Sources:
 - a path to a JSONL file: one conversation per line, `{"id": str, "messages":
   [{"role": "system"|"user"|"assistant", "content": str}, ...]}`.
 
+A JSONL row that cannot be used (not valid UTF-8, not JSON, not that shape, an unknown role,
+an empty or whitespace-only assistant turn, an id seen on an earlier line) is skipped and
+recorded as a BadRow with its line number, up to `data.max_bad_rows` of them; one more fails
+the load with a DataError naming the setting. The prepare_data stage writes the per-line
+report (`bad_rows.jsonl`) into its artifact and counts the rows in its stats.
+
 Preparation applies the tokenizer's chat template, marks the tokens of assistant turns
 (content and end-of-turn token, not the role header) as the ones to learn, truncates to
 `max_tokens`, drops samples with no assistant token left, and splits off a held-out set
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +33,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+log = logging.getLogger(__name__)
 Role = Literal["system", "user", "assistant"]
 BUILTIN_CHATTERBOT = "builtin:chatterbot"
 
@@ -45,6 +53,21 @@ class DataConfig(BaseModel):
     max_tokens: int = Field(default=512, ge=8, description="Truncate each tokenized conversation to this many tokens")
     heldout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Share of samples held out for evaluation")
     split_seed: int = Field(default=0, description="Seed of the hash that assigns samples to the held-out set")
+    # 100: a logged or scraped dataset often has a few broken lines, which should not cost a run;
+    # a file in the wrong format or schema makes every line bad and fails at line 101, at once.
+    max_bad_rows: int = Field(
+        default=100, ge=0,
+        description="Unusable JSONL rows (bad JSON/UTF-8/shape, unknown role, empty assistant turn, duplicate id) "
+        "skipped and listed with their line numbers before the stage fails; 0 = refuse any bad row",
+    )
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A skipped source row: 1-based line number and why."""
+
+    line: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -92,31 +115,88 @@ def _load_chatterbot(limit: int) -> list[Conversation]:
     return out
 
 
-def _load_jsonl(path: Path, limit: int) -> list[Conversation]:
+def _parse_row(raw: bytes, line_no: int, seen: dict[str, int]) -> Conversation | str:
+    """One JSONL line -> a Conversation, or the reason it cannot be used."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"not valid UTF-8 ({err.reason} at byte {err.start})"
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"not JSON ({err.msg} at column {err.colno})"
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+        return "not a conversation; expected {'id', 'messages': [{'role', 'content'}, ...]}"
+    if any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
+           for m in row["messages"]):
+        return "a message is not {'role': str, 'content': str}"
+    bad = sorted({m["role"] for m in row["messages"]} - {"system", "user", "assistant"})
+    if bad:
+        return f"unknown role(s) {bad}; expected system, user or assistant"
+    empty = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant" and not m["content"].strip()]
+    if empty:
+        return f"assistant turn(s) {empty} (message index) empty or whitespace only"
+    cid = str(row.get("id", f"line-{line_no}"))
+    if cid in seen:
+        return f"duplicate id {cid!r} (first on line {seen[cid]})"
+    seen[cid] = line_no
+    return Conversation(cid, tuple(Message(m["role"], m["content"]) for m in row["messages"]))
+
+
+def scan_jsonl(path: Path, limit: int, max_bad_rows: int) -> tuple[list[Conversation], list[BadRow]]:
+    """Up to `limit` usable conversations and the rows skipped on the way (stops once over `max_bad_rows`)."""
     out: list[Conversation] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
+    bad: list[BadRow] = []
+    seen: dict[str, int] = {}
+    with open(path, "rb") as handle:  # bytes: one line of invalid UTF-8 must not fail the whole file
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
-            try:
-                row = json.loads(line)
-                messages = tuple(Message(m["role"], m["content"]) for m in row["messages"])
-                cid = str(row.get("id", f"line-{line_no}"))
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise DataError(f"{path}:{line_no}: not a conversation ({err}); expected {{'id', 'messages': [{{'role', 'content'}}]}}") from err
-            bad = [m.role for m in messages if m.role not in ("system", "user", "assistant")]
-            if bad:
-                raise DataError(f"{path}:{line_no}: unknown role(s) {bad}; expected system, user or assistant")
-            out.append(Conversation(cid, messages))
+            parsed = _parse_row(raw, line_no, seen)
+            if isinstance(parsed, str):
+                bad.append(BadRow(line_no, parsed))
+                if len(bad) > max_bad_rows:
+                    break
+                continue
+            out.append(parsed)
             if len(out) >= limit:
                 break
-    return out
+    return out, bad
+
+
+def _too_many_bad(path: Path, bad: Sequence[BadRow], max_bad_rows: int) -> DataError:
+    first = "; ".join(f"{path}:{b.line}: {b.reason}" for b in bad[:5])
+    return DataError(
+        f"data.source={str(path)!r}: more than data.max_bad_rows={max_bad_rows} unusable rows ({first}"
+        f"{' ...' if len(bad) > 5 else ''}); fix the file or raise data.max_bad_rows"
+    )
+
+
+def load_source(config: DataConfig) -> tuple[list[Conversation], list[BadRow]]:
+    """The usable conversations of `config.source` and the rows skipped (DataError when over budget or none usable)."""
+    if config.source == BUILTIN_CHATTERBOT:
+        return _load_chatterbot(config.max_samples), []
+    path = source_files(config.source)[0]
+    conversations, bad = scan_jsonl(path, config.max_samples, config.max_bad_rows)
+    if len(bad) > config.max_bad_rows:
+        raise _too_many_bad(path, bad, config.max_bad_rows)
+    if not conversations:
+        why = f"all {len(bad)} rows were unusable (first: line {bad[0].line}: {bad[0].reason})" if bad else "it holds no row"
+        raise DataError(f"data.source={config.source!r}: no usable conversation: {why}; expected one conversation per line")
+    for b in bad:
+        log.warning("%s:%d: skipped: %s", path, b.line, b.reason)
+    return conversations, bad
 
 
 def load_conversations(config: DataConfig) -> list[Conversation]:
-    if config.source == BUILTIN_CHATTERBOT:
-        return _load_chatterbot(config.max_samples)
-    return _load_jsonl(source_files(config.source)[0], config.max_samples)
+    return load_source(config)[0]
+
+
+def write_bad_rows(path: Path, source: str, bad: Sequence[BadRow]) -> None:
+    """The per-line report of skipped rows: one JSON object a line, {"source", "line", "reason"}."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for b in bad:
+            handle.write(json.dumps({"source": source, "line": b.line, "reason": b.reason}) + "\n")
 
 
 def write_conversations(path: Path, conversations: Sequence[Conversation]) -> None:
@@ -157,6 +237,8 @@ def tokenize_conversation(tokenizer, conv: Conversation, max_tokens: int) -> Tok
             raise DataError(f"sample {conv.id!r}: the chat template is not prefix-stable; cannot build a loss mask")
         mask.extend([1 if message.role == "assistant" else 0] * (len(full) - len(ids)))
         ids = full
+        if len(ids) >= max_tokens:  # later turns only append (prefix-stable): they would be cut off anyway
+            break
     return TokenizedSample(conv.id, ids[:max_tokens], mask[:max_tokens])
 
 

@@ -35,6 +35,7 @@ VERSIONS = {
     "evaluate": "1",
 }
 Progress = Callable[[int, int], None]
+BAD_ROWS = "bad_rows.jsonl"  # prepare_data: the source rows skipped, one {"source", "line", "reason"} a line
 
 
 def stage_fingerprint(stage: str, settings: object, *upstream: str) -> str:
@@ -131,14 +132,22 @@ def fingerprint_prepare(config: DataConfig, regenerated: StageRecord, target: St
 
 
 def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecord, trust_remote_code: bool, root: Path, fp: str) -> StageRecord:
+    """Tokenize the regenerated conversations and split them; also reports the source rows that were skipped.
+
+    Stats: train/heldout samples, `dropped` (no assistant token left after truncation),
+    `truncated` (cut to data.max_tokens), `skipped_rows` (unusable source rows, see
+    data.max_bad_rows) and `bad_rows_report` (the artifact's bad_rows.jsonl: line and reason of each).
+    """
     final, done = _done(root, "prepare_data", fp)
     if done:
         return done
+    _, bad_rows = data.load_source(config)  # the rows regenerate skipped, for the report (cheap: no tokenizing)
     tokenizer = _tokenizer(target, trust_remote_code)
     conversations = data.load_conversations(DataConfig(source=str(regenerated.path / "conversations.jsonl"), max_samples=10**9))
-    train, heldout, dropped = [], [], 0
+    train, heldout, dropped, truncated = [], [], 0, 0
     for conv in conversations:
         sample = data.tokenize_conversation(tokenizer, conv, config.max_tokens)
+        truncated += len(sample.input_ids) == config.max_tokens
         if sum(sample.loss_mask) == 0:
             dropped += 1
             continue
@@ -146,13 +155,15 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
     if not train:
         raise DataError(
             f"data.source={config.source!r}: no usable training sample ({len(conversations)} conversations, {dropped} without "
-            f"an assistant token after truncation to data.max_tokens={config.max_tokens})"
+            f"an assistant token after truncation to data.max_tokens={config.max_tokens}, {len(bad_rows)} source rows skipped)"
         )
     with building(final) as tmp:
         data.write_samples(tmp / "train.jsonl", train)
         data.write_samples(tmp / "heldout.jsonl", heldout)
-        stats = {"train_samples": len(train), "heldout_samples": len(heldout), "dropped": dropped,
-                 "train_tokens": sum(len(s.input_ids) for s in train)}
+        data.write_bad_rows(tmp / BAD_ROWS, config.source, bad_rows)
+        stats = {"train_samples": len(train), "heldout_samples": len(heldout), "dropped": dropped, "truncated": truncated,
+                 "train_tokens": sum(len(s.input_ids) for s in train), "skipped_rows": len(bad_rows),
+                 "bad_rows_report": str(final / BAD_ROWS)}
         return mark_complete(tmp, StageRecord(stage="prepare_data", uri=str(final), fingerprint=fp, stats=stats))
 
 

@@ -49,6 +49,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,13 +135,20 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the new one, never half."""
+    """Write `text` to `path` so that readers see the old file or the new one, never half.
+
+    On failure (a full disk) the temporary file is removed and the old file stays as it was.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def shard_name(index: int) -> str:
@@ -260,12 +268,26 @@ class StoreWriter:
                 tensors[f"{j}.hidden_scales"] = scales.to(torch.float32).contiguous()
         final = self.root / shard_name(index)
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}"
-        size, sha256 = write_safetensors(tmp, tensors, {"sample_ids": json.dumps(list(ids))})
-        os.replace(tmp, final)
+        try:
+            size, sha256 = write_safetensors(tmp, tensors, {"sample_ids": json.dumps(list(ids))})
+            os.replace(tmp, final)
+        except OSError as err:  # a full disk, a quota, an I/O error: nothing under the final name
+            tmp.unlink(missing_ok=True)
+            raise StoreError(
+                f"writing {final} failed ({err.strerror or err}); nothing was written under that name and the "
+                f"finished shards are kept: free space under {self.root} and run the extract stage again"
+            ) from err
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         entry = ShardEntry(file=final.name, sample_ids=ids, num_tokens=sum(s.num_tokens for s in samples), size=size, sha256=sha256)
         with self._lock:
             self._entries[index] = entry
-            self._write_manifest()
+            try:
+                self._write_manifest()
+            except OSError as err:
+                raise StoreError(f"updating {self.root / MANIFEST} failed ({err.strerror or err}); free space under "
+                                 f"{self.root} and run the extract stage again") from err
         return entry
 
     def _encoded(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -314,18 +336,23 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _shard_is_whole(root: Path, entry: ShardEntry) -> bool:
+    # The manifest's sample ids are the authority (an assembled store renames them), so only size and sha256.
     path = root / entry.file
     return path.is_file() and path.stat().st_size == entry.size and sha256_file(path) == entry.sha256
 
 
 # -- reader --------------------------------------------------------------------------------
 class StoreReader:
-    """Reads a complete store. Opening checks the manifest; `verify()` checks every checksum.
+    """Reads a complete store. Opening checks the manifest and (unless `verify=False`) every shard.
 
-    fp8 stores are dequantized on read into `dequantize_dtype` (bfloat16 or float32).
+    A shard whose size or sha256 do not match the manifest is never loaded: opening
+    raises StoreError naming it, after deleting it (its bytes are known bad), so that the extract
+    artifact is no longer whole and the next run of the extract stage recomputes exactly that shard.
+    `verify=False` reads only the manifest (for sizes and ids). fp8 stores are dequantized on read
+    into `dequantize_dtype` (bfloat16 or float32).
     """
 
-    def __init__(self, root: Path, *, dequantize_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, root: Path, *, dequantize_dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> None:
         self.root = Path(root)
         path = self.root / MANIFEST
         if not path.is_file():
@@ -348,6 +375,8 @@ class StoreReader:
         ]
         # (shard index, position in shard) for every sample, in store order
         self._index = [(s, j) for s, entry in enumerate(self.shards) for j in range(len(entry.sample_ids))]
+        if verify:
+            self._verify_or_discard()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -360,7 +389,19 @@ class StoreReader:
         """Raise StoreError naming the first shard whose size or checksum is wrong."""
         for entry in self.shards:
             if not _shard_is_whole(self.root, entry):
-                raise StoreError(f"shard {self.root / entry.file} is missing or corrupt (size/sha256 mismatch)")
+                raise StoreError(f"shard {self.root / entry.file} is missing or corrupt (size/sha256 do not match {MANIFEST})")
+
+    def _verify_or_discard(self) -> None:
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(self.shards)))) as pool:  # sha256 releases the GIL
+            whole = list(pool.map(lambda e: _shard_is_whole(self.root, e), self.shards))
+        bad = [entry.file for entry, ok in zip(self.shards, whole) if not ok]
+        for name in bad:
+            (self.root / name).unlink(missing_ok=True)
+        if bad:
+            raise StoreError(
+                f"store {self.root}: shard(s) {bad} missing or corrupt (size or sha256 do not match {MANIFEST}); "
+                "they were not loaded and have been deleted: run again and the extract stage recomputes them"
+            )
 
     def __getitem__(self, i: int) -> Sample:
         shard, j = self._index[i]
@@ -382,9 +423,9 @@ class StoreReader:
 
 
 def is_complete(root: Path) -> bool:
-    """True when `root` holds a complete store whose shards all match their checksums."""
+    """True when `root` holds a complete store whose shards all match their checksums (nothing is deleted)."""
     try:
-        StoreReader(root).verify()
+        StoreReader(root, verify=False).verify()
     except (StoreError, json.JSONDecodeError, KeyError):
         return False
     return True

@@ -50,15 +50,15 @@ def test_heldout_split_is_stable_and_near_the_fraction():
 def test_malformed_jsonl_names_file_and_line(tmp_path: Path):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n{not json\n")
-    with pytest.raises(DataError, match=r"data.jsonl:2"):
-        load_conversations(DataConfig(source=str(path)))
+    with pytest.raises(DataError, match=r"data.jsonl:2.*data.max_bad_rows"):
+        load_conversations(DataConfig(source=str(path), max_bad_rows=0))
 
 
 def test_unknown_role_is_an_error(tmp_path: Path):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"id": "a", "messages": [{"role": "robot", "content": "hi"}]}) + "\n")
     with pytest.raises(DataError, match="unknown role.*robot"):
-        load_conversations(DataConfig(source=str(path)))
+        load_conversations(DataConfig(source=str(path), max_bad_rows=0))
 
 
 def test_missing_source_file_names_the_setting(tmp_path: Path):
