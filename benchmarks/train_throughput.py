@@ -217,6 +217,24 @@ def time_compute(model, head, batch, device, naive: bool, steps: int) -> float:
     return batch.num_tokens / statistics.median(times)
 
 
+def precision_probe(model, head, batch, device, flops: float, rate: float) -> None:
+    """Naive compute-only tokens/s by weight precision and compilation (bf16 weights: GPU only,
+    where the inputs are bf16 too)."""
+    results = []
+    precisions = ("fp32", "bf16") if device.type == "cuda" else ("fp32",)
+    for precision in precisions:
+        model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        label = "bf16 weights" if precision == "bf16" else "fp32 weights, bf16 autocast"
+        results.append((f"{label}, eager", time_compute(model, head, batch, device, True, steps=10)))
+        model.step = torch.compile(model.step)
+        time_compute(model, head, batch, device, True, steps=1)  # compiles
+        results.append((f"{label}, compiled step", time_compute(model, head, batch, device, True, steps=10)))
+        del model.step  # the eager method again
+    for name, tps in results:
+        print(f"naive compute only, {name:40s} {tps:10,.0f} tokens/s  MFU@790 {tps * flops / PEAK_790:6.1%}  "
+              f"(measured peak {tps * flops / rate:6.1%})", flush=True)
+
+
 def profile_compute(model, head, batch, device) -> None:
     """Where one compute-only step's GPU time goes: forward, backward, optimizer (events), and the
     top kernels (torch.profiler, self CUDA time)."""
@@ -314,11 +332,12 @@ def _attn_dense(model, xs, positions, doc_ids):
 
 
 def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: Path, s: dict, ttt: int, steps: int,
-                 accum: int, threads: int) -> tuple[float, object]:
-    """Tokens/s of eagle3.train.train_draft, from its per-step progress callbacks (first steps excluded)."""
+                 accum: int, threads: int, compile: bool = False) -> tuple[float, object]:
+    """Tokens/s of eagle3.train.train_draft, from its per-step progress callbacks (first steps excluded:
+    allocator warm-up, and torch.compile's compilation when `compile`)."""
     stamps: list[float] = []
     config = TrainConfig(steps=steps + 1, warmup_steps=1, batch_tokens=s["seq"], ttt_steps=ttt, grad_accum=accum,
-                         checkpoint_every=10**6, loader_threads=threads, learning_rate=1e-5)
+                         checkpoint_every=10**6, loader_threads=threads, learning_rate=1e-5, compile=compile)
     result = train_draft(config, store_dir=store, target_dir=target, head_path=head_file, vocab_path=vocab,
                          out_dir=out, stop_after=steps, progress=lambda *_: stamps.append(time.perf_counter()))
     skip = min(5 if accum == 1 else 2, len(stamps) - 2)
@@ -336,6 +355,9 @@ def main() -> None:
     parser.add_argument("--profile-only", action="store_true", help="GPU: profile one compute-only step and stop")
     parser.add_argument("--compile-probe", action="store_true",
                         help="compute only, TTT attention: eager vs the draft's step under torch.compile, then stop")
+    parser.add_argument("--precision-probe", action="store_true",
+                        help="compute only, no TTT attention growth: fp32 weights + bf16 autocast (the trainer's) vs "
+                        "bf16 weights (FIELD-NOTES' naive step may have used these), eager and compiled, then stop")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     s, ttt = (SHAPE_TINY if args.tiny else SHAPE_8B), 3
@@ -364,6 +386,9 @@ def main() -> None:
         for name, tps in (("eager", eager), ("torch.compile(step)", compiled)):
             print(f"compute only, TTT attention, {name:20s} {tps:10,.0f} tokens/s  MFU {tps * flops / rate:6.1%}")
         return
+    if args.precision_probe:
+        precision_probe(model, head, batch, device, flops, rate)
+        return
     for line in attention_check(model, s, device, ttt):
         print(line, flush=True)
     rows = []
@@ -383,15 +408,18 @@ def main() -> None:
         print(f"disk read, page cache {state}, {args.loader_threads} threads: {bandwidth / 1e9:.2f} GB/s = "
               f"{bandwidth / (4 * s['hidden'] * 2):,.0f} tokens/s of bf16 states, "
               f"{bandwidth / (4 * s['hidden'] + 16):,.0f} of fp8", flush=True)
-    runs = [("bf16 store, page cache warm", store, 1, False), ("bf16 store, from disk", store, 1, True),
-            ("fp8 store, from disk", fp8_store, 1, True), ("bf16 store, from disk, grad_accum 4", store, 4, True)]
-    for label, path, accum, cold in runs:
-        if not cuda and cold:
+    runs = [("bf16 store, page cache warm", store, 1, False, False), ("bf16 store, from disk", store, 1, True, False),
+            ("fp8 store, from disk", fp8_store, 1, True, False),
+            ("bf16 store, from disk, grad_accum 4", store, 4, True, False),
+            ("bf16 store, from disk, compile", store, 1, True, True),
+            ("bf16 store, from disk, grad_accum 4, compile", store, 4, True, True)]
+    for label, path, accum, cold, compiled in runs:
+        if not cuda and (cold or compiled):
             continue
         state = drop_page_cache() if cold else "warm"
         steps = args.steps if accum == 1 else max(4, args.steps // accum)
         tps, result = time_trainer(path, target, head_file, vocab, root / f"run-{len(rows)}", s, ttt, steps, accum,
-                                   args.loader_threads)
+                                   args.loader_threads, compiled)
         rows.append((f"real trainer: {label}", tps))
         print(f"real trainer, {label} (page cache {state}): {tps:,.0f} tokens/s; {result.steps_done} steps, "
               f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)

@@ -22,7 +22,7 @@ from eagle3.stages import _done, stage_fingerprint
 from eagle3.store import StoreReader, atomic_write_text
 from eagle3.target import HEAD_FILE, TargetInfo
 from eagle3.target_head import load_target_head, read_target_config
-from eagle3.train import EVALS, LOSSES, TrainConfig, train_draft
+from eagle3.train import EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 
 VOCAB_FILE = "vocab.safetensors"
@@ -53,7 +53,8 @@ def run_vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, r
 
 # -- train -------------------------------------------------------------------------------
 def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageRecord, target: StageRecord) -> str:
-    return stage_fingerprint("train", config, extracted.fingerprint, vocab.fingerprint, target.fingerprint)
+    settings = config.model_dump(exclude=RUNTIME_ONLY)
+    return stage_fingerprint("train", settings, extracted.fingerprint, vocab.fingerprint, target.fingerprint)
 
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,

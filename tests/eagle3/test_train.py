@@ -234,3 +234,14 @@ def test_batches_read_straight_from_the_shards_equal_the_store_readers(tmp_path,
         assert torch.equal(a, b)
     for name in ("step_tokens", "positions", "doc_ids", "weights"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_compiling_the_step_does_not_change_the_train_fingerprint():
+    """train.compile changes speed, not what is trained: cached train artifacts stay valid."""
+    from eagle3.artifacts import StageRecord
+    from eagle3.draft_stages import fingerprint_train
+
+    ups = [StageRecord(stage=n, uri="/x", fingerprint=n) for n in ("extract", "vocab", "stage_target")]
+    base = fingerprint_train(TrainConfig(steps=10, warmup_steps=1), *ups)
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, compile=True), *ups) == base
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, learning_rate=1e-3), *ups) != base
