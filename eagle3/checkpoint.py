@@ -150,7 +150,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(
             f"checkpoint {path}: format_version {meta.get('format_version')}, expected {FORMAT_VERSION}"
         )
-    for name, want in meta.get("files", {}).items():
+    files = meta.get("files", {})
+    if not isinstance(files, dict) or set(files) != {WEIGHTS, STATE}:
+        raise CheckpointError(f"checkpoint {path}: {META} lists files {sorted(files) if isinstance(files, dict) else files!r}, "
+                              f"expected exactly {[WEIGHTS, STATE]}")
+    for name, want in files.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != want["size"] or sha256_file(file) != want["sha256"]:
             raise CheckpointError(f"checkpoint {path}: {name} is missing or does not match its size/sha256")

@@ -18,8 +18,9 @@ from eagle3.data import DataConfig
 from eagle3.evaluate import EvalConfig
 from eagle3.extract import ExtractConfig
 from eagle3.gpu import GpuCleanupConfig
+from eagle3.layers import check_aux_layer_ids
 from eagle3.regenerate import RegenerateConfig
-from eagle3.target import TargetConfig
+from eagle3.target import TargetConfig, TargetInfo
 from eagle3.train import TrainConfig
 from eagle3.vocab import VocabConfig
 
@@ -70,6 +71,25 @@ class PipelineConfig(BaseModel):
         from eagle3.targets import default_cache_dir
 
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+
+def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
+    """The settings that can only be checked once the target is known; ConfigError naming each one.
+
+    stage_target already refuses `target.aux_layer_ids` out of range (eagle3.layers); call this
+    right after it, so that a draft vocabulary larger than the target's fails in seconds and not
+    after regeneration and extraction.
+    """
+    problems = []
+    if config.vocab.draft_vocab_size > info.vocab_size:
+        problems.append(f"vocab.draft_vocab_size={config.vocab.draft_vocab_size} is larger than the target's vocabulary "
+                        f"({info.vocab_size} tokens, {info.model_dir}); set vocab.draft_vocab_size <= {info.vocab_size}")
+    try:
+        check_aux_layer_ids(info.aux_layer_ids, info.num_layers)
+    except ValueError as err:
+        problems.append(str(err))
+    if problems:
+        raise ConfigError("invalid configuration for this target: " + "; ".join(problems))
 
 
 PRESETS: dict[str, dict[str, object]] = {

@@ -64,7 +64,9 @@ class PublishedDraft(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    draft_id: str = Field(description="Folder name under drafts/: the export fingerprint's first 16 characters")
+    draft_id: str = Field(  # a plain folder name: a registry's current.json cannot point a path outside it
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Folder name under drafts/: the export fingerprint's first 16 characters")
     acceptance_length: float = Field(description="Simulated acceptance length on the held-out set of its run")
     per_position: list[float] = Field(default_factory=list, description="Accepted share per draft position")
     heldout_samples: int = Field(description="Held-out samples it was evaluated on")

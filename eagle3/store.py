@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -57,6 +58,7 @@ import torch
 from safetensors import safe_open
 
 MANIFEST = "manifest.json"
+SHARD_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\.safetensors")  # a plain file name in the store (assembled stores prefix it)
 FORMAT_VERSION = 1
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -239,14 +241,11 @@ class StoreWriter:
         for index, raw in enumerate(manifest.get("shards", [])):
             if raw is None or index >= len(self.expected):
                 continue
-            entry = ShardEntry(
-                file=raw["file"],
-                sample_ids=tuple(raw["sample_ids"]),
-                num_tokens=raw["num_tokens"],
-                size=raw["size"],
-                sha256=raw["sha256"],
-            )
-            if entry.sample_ids == self.expected[index] and _shard_is_whole(self.root, entry):
+            try:
+                entry = _entry(raw, self.root)
+            except (StoreError, KeyError, TypeError):
+                continue  # an edited or damaged line: that shard is redone
+            if entry.sample_ids == self.expected[index] and entry.file == shard_name(index) and _shard_is_whole(self.root, entry):
                 self._entries[index] = entry
 
     def pending(self) -> list[int]:
@@ -331,6 +330,16 @@ class StoreWriter:
         atomic_write_text(self.root / MANIFEST, json.dumps(manifest, indent=1))
 
 
+def _entry(raw: dict, root: Path) -> ShardEntry:
+    """A manifest line as a ShardEntry; its file must be a plain name inside `root` (a hand-edited
+    manifest cannot make the reader open, or discard, a file elsewhere)."""
+    name = raw["file"]
+    if not isinstance(name, str) or not SHARD_FILE.fullmatch(name):
+        raise StoreError(f"{root / MANIFEST}: shard file {name!r} is not a shard name inside the store "
+                         "(expected e.g. shard-00000.safetensors); the manifest was edited: run the extract stage again")
+    return ShardEntry(name, tuple(raw["sample_ids"]), raw["num_tokens"], raw["size"], raw["sha256"])
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -369,10 +378,7 @@ class StoreReader:
         self.hidden_size: int = manifest["hidden_size"]
         self.dtype: str = manifest["dtype"]  # storage dtype, e.g. "bfloat16" or "float8_e4m3fn"
         self.dequantize_dtype = dequantize_dtype
-        self.shards = [
-            ShardEntry(e["file"], tuple(e["sample_ids"]), e["num_tokens"], e["size"], e["sha256"])
-            for e in manifest["shards"]
-        ]
+        self.shards = [_entry(e, self.root) for e in manifest["shards"]]
         # (shard index, position in shard) for every sample, in store order
         self._index = [(s, j) for s, entry in enumerate(self.shards) for j in range(len(entry.sample_ids))]
         if verify:

@@ -162,7 +162,7 @@ def disk_full_checkpoint(work: Path) -> list[str]:
 class World:
     """stage_target -> regenerate (off) -> prepare_data -> extract -> vocab for the tiny target, under `root`."""
 
-    def __init__(self, root: Path, cache: Path) -> None:
+    def __init__(self, root: Path, cache: Path, source: str | None = None) -> None:
         from eagle3 import draft_stages, stages
         from eagle3.data import DataConfig
         from eagle3.extract import ExtractConfig
@@ -173,7 +173,8 @@ class World:
         self.stages, self.draft_stages, self.root = stages, draft_stages, root
         self.target_config = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32")
         self.extract_config = ExtractConfig(samples_per_shard=4)
-        data_config, regen_config = DataConfig(max_samples=24, max_tokens=96, heldout_fraction=0.2), RegenerateConfig(enabled=False)
+        data_config = DataConfig(max_samples=24, max_tokens=96, heldout_fraction=0.2, **({"source": source} if source else {}))
+        regen_config = RegenerateConfig(enabled=False)
         self.target = stages.run_stage_target(self.target_config, cache, root, stages.fingerprint_target(self.target_config))
         regen = stages.run_regenerate(regen_config, data_config, self.target_config, self.target, root,
                                       stages.fingerprint_regenerate(regen_config, data_config, self.target, 256), root / "loads.jsonl")
