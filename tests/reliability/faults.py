@@ -206,7 +206,7 @@ def _manifest(store: Path) -> dict:
 
 def corrupt_shard(world: World, seed: int) -> list[str]:
     """Flip one byte in a train shard: the next training refuses it, the next extract redoes only it, bit-identical."""
-    return _damage_then_recover(world, seed, lambda store, entry: _flip(store / entry["file"]))
+    return _damage_then_recover(world, seed, 100 + seed, lambda store, entry: _flip(store / entry["file"]))
 
 
 def edited_manifest(world: World, seed: int) -> list[str]:
@@ -215,7 +215,7 @@ def edited_manifest(world: World, seed: int) -> list[str]:
         text = (store / MANIFEST).read_text()
         forged = entry["sha256"][::-1] if entry["sha256"][::-1] != entry["sha256"] else "0" * 64
         (store / MANIFEST).write_text(text.replace(entry["sha256"], forged))
-    return _damage_then_recover(world, seed, edit)
+    return _damage_then_recover(world, seed, 300 + seed, edit)
 
 
 def _flip(path: Path) -> None:
@@ -224,7 +224,8 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _damage_then_recover(world: World, seed: int, damage) -> list[str]:  # noqa: ANN001
+def _damage_then_recover(world: World, seed: int, train_seed: int, damage) -> list[str]:  # noqa: ANN001
+    """`damage` one train shard (chosen by `seed`), then train (a fresh run: `train_seed`), extract, train again."""
     from eagle3.artifacts import read_complete
 
     problems: list[str] = []
@@ -233,7 +234,7 @@ def _damage_then_recover(world: World, seed: int, damage) -> list[str]:  # noqa:
     victim = before[1 + seed % (len(before) - 1)]
     damage(store, victim)
     try:
-        world.train(seed=100 + seed)  # a fresh training run reads the store
+        world.train(seed=train_seed)  # a fresh training run reads the store
         problems.append(f"training loaded a store whose {victim['file']} does not match its checksum")
     except StoreError as err:
         if victim["file"] not in str(err) or "recomputes" not in str(err):
@@ -245,7 +246,7 @@ def _damage_then_recover(world: World, seed: int, damage) -> list[str]:  # noqa:
         problems.append(f"the rerun of extract wrote {redone.stats['train_shards_written']} train shards; expected only the damaged one")
     if _manifest(store)["shards"] != before:
         problems.append("the recomputed store differs from the original (manifest sizes/sha256)")
-    trained = world.train(seed=100 + seed)
+    trained = world.train(seed=train_seed)
     if trained.stats["steps"] != 6:
         problems.append(f"training after the recompute ran {trained.stats['steps']} steps; expected 6")
     return problems
@@ -273,3 +274,93 @@ def truncated_checkpoint(world: World, seed: int) -> list[str]:
     if got.keys() != want.keys() or any(not torch.equal(got[k], want[k]) for k in want):
         problems.append("the resumed run's final weights differ from the uninterrupted run's")
     return problems
+
+
+# -- bad data and bad config (loader and config level) ----------------------------------------
+BAD_ROWS = {  # one bad line -> what its reason must say
+    b'{"id": "broken", "messages": [\n': "not JSON",
+    b'{"id": "r", "messages": [{"role": "robot", "content": "hi"}]}\n': "unknown role",
+    b'{"id": "e", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \\n"}]}\n': "empty or whitespace",
+    b'{"id": "u", "messages": [{"role": "user", "content": "caf\xe9"}]}\n': "not valid UTF-8",
+    b'{"id": "g0", "messages": [{"role": "user", "content": "again"}]}\n': "duplicate id",
+    b'[1, 2, 3]\n': "not a conversation",
+}
+
+
+def bad_rows(work: Path, seed: int) -> list[str]:
+    """Good rows with every kind of bad row shuffled in: each skipped with its line; one over the budget fails."""
+    import json
+    import random
+
+    from eagle3.data import DataConfig, DataError, load_source
+
+    rng = random.Random(seed)
+    good = [json.dumps({"id": f"g{i}", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+            .encode() + b"\n" for i in range(8)]
+    lines = good[:1] + rng.sample(good[1:] + list(BAD_ROWS), len(good) - 1 + len(BAD_ROWS))
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"chats-{seed}.jsonl"
+    path.write_bytes(b"".join(lines))
+    problems = []
+    conversations, skipped = load_source(DataConfig(source=str(path), max_bad_rows=len(BAD_ROWS)))
+    want = sorted(lines.index(line) + 1 for line in BAD_ROWS)
+    if [b.line for b in skipped] != want:
+        problems.append(f"bad rows reported at lines {[b.line for b in skipped]}, expected {want}")
+    for b in skipped:
+        if BAD_ROWS[lines[b.line - 1]] not in b.reason:
+            problems.append(f"line {b.line}: reason {b.reason!r} does not say {BAD_ROWS[lines[b.line - 1]]!r}")
+    if sorted(c.id for c in conversations) != sorted(f"g{i}" for i in range(8)):
+        problems.append(f"kept {sorted(c.id for c in conversations)}, expected the 8 good rows")
+    try:
+        load_source(DataConfig(source=str(path), max_bad_rows=len(BAD_ROWS) - 1))
+        problems.append("one bad row over data.max_bad_rows did not fail")
+    except DataError as err:
+        if "data.max_bad_rows" not in str(err):
+            problems.append(f"the over-budget error does not name data.max_bad_rows: {err}")
+    return problems
+
+
+BAD_SETTINGS = {"train.stepz=3": "train.stepz: unknown setting", "train.steps=abc": "train.steps: Input should be a valid integer",
+                "train.ttt_steps=0": "train.ttt_steps: Input should be greater than or equal to 1",
+                "data.max_tokens=300": "data.max_tokens=300 must be below target.max_model_len=256",
+                "vocab.draft_vocab_size=0": "vocab.draft_vocab_size"}
+
+
+def bad_settings() -> list[str]:
+    """Each bad setting refused by build_config with its field named (target-dependent ones: tests/reliability)."""
+    from eagle3.config import ConfigError, build_config
+
+    problems = []
+    for override, message in BAD_SETTINGS.items():
+        try:
+            build_config("tiny", None, [override])
+            problems.append(f"{override} was accepted")
+        except ConfigError as err:
+            if message not in str(err):
+                problems.append(f"{override}: the error does not say {message!r}: {err}")
+    return problems
+
+
+def run_all(work: Path, cache: Path, repeat: int) -> list[tuple[str, int, str]]:
+    """Every in-process scenario `repeat` times: (fault, tried, what was lost or 'nothing')."""
+    from eagle3 import vllm_adapter
+
+    results: dict[str, list[list[str]]] = {}
+
+    def tried(name: str, problems: list[str]) -> None:
+        results.setdefault(name, []).append(problems)
+
+    for i in range(repeat):
+        tried("disk full while a shard is written", disk_full_shard(work / f"disk-shard-{i}"))
+        tried("disk full while a checkpoint is written", disk_full_checkpoint(work / f"disk-ckpt-{i}"))
+        tried("bad JSONL rows (6 kinds) under and over data.max_bad_rows", bad_rows(work / "data", i))
+    tried(f"bad settings ({len(BAD_SETTINGS)} kinds)", bad_settings())
+    world = World(work / "world", cache)
+    try:
+        for i in range(repeat):
+            tried("one flipped bit in a store shard", corrupt_shard(world, i))
+            tried("manifest.json edited by hand (a shard's sha256)", edited_manifest(world, i))
+            tried("truncated checkpoint (weights or optimizer state)", truncated_checkpoint(world, i))
+    finally:
+        vllm_adapter.release_all()
+    return [(name, len(runs), "; ".join(sorted({p for r in runs for p in r})) or "nothing") for name, runs in results.items()]

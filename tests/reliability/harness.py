@@ -257,12 +257,16 @@ def check_stores(artifacts: Path) -> list[str]:
 
 
 def kill_and_recover(moment: Moment, run_dir: Path, overrides: list[str], env: dict[str, str],
-                     reference: Reference) -> Outcome:
-    """Run, kill at `moment`, rerun until complete, check. The kill must land (else the outcome says so)."""
+                     reference: Reference, after_kill: Callable[[Path], None] | None = None) -> Outcome:
+    """Run, kill at `moment`, (`after_kill(run_dir)`: more damage), rerun until complete, check.
+
+    The kill must land (else the outcome says so)."""
     args = run_args(run_dir, overrides)
     killed = run_once(args, env, kill=moment)
     if killed.returncode != -signal.SIGKILL:
         return Outcome(moment, "none", problems=[f"the run ended ({killed.returncode}) before the kill: {killed.output[-2000:]}"])
+    if after_kill is not None:
+        after_kill(run_dir)
     outcome = Outcome(moment, hit_stage(killed.printed))
     finished = {label for label, line in zip(_labels(killed.printed), killed.printed) if not line.endswith("Failed")}
     outcome.attempts, final = run_until_complete(args, env)
@@ -273,6 +277,12 @@ def kill_and_recover(moment: Moment, run_dir: Path, overrides: list[str], env: d
     outcome.problems += [f"finished stage {s} was computed again" for s in outcome.redone]
     outcome.problems += check_run_dir(run_dir, reference)
     return outcome
+
+
+def truncate_newest_checkpoint(run_dir: Path) -> None:
+    """What a crash during a disk flush can leave: the newest checkpoint's weights cut to a third."""
+    newest = sorted(run_dir.glob("artifacts/train/*/checkpoints/step-*"))[-1] / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])
 
 
 def kill_chain(chain: list[Moment], run_dir: Path, overrides: list[str], env: dict[str, str],
