@@ -54,9 +54,10 @@ LOSSES = "losses.jsonl"
 EVALS = "evals.jsonl"
 CHECKPOINTS = "checkpoints"
 # Settings that may change between an interrupted run and its resume.
-_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile"}
-# Settings that change how fast training runs, not what it computes: left out of the train fingerprint.
-RUNTIME_ONLY = {"compile"}
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
+                      "param_dtype"}
+# Settings that change how fast training runs, not what it learns: left out of the train fingerprint.
+RUNTIME_ONLY = {"compile", "param_dtype"}
 
 
 class TrainError(RuntimeError):
@@ -98,6 +99,12 @@ class TrainConfig(BaseModel):
     )
     loader_threads: int = Field(
         default=2, ge=1, description="Threads that read and pack upcoming micro-batches while the device computes."
+    )
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Dtype of the draft's weights in the forward and backward pass. bfloat16 keeps "
+        "an fp32 master copy that the optimizer updates and checkpoints hold (mixed precision without casts; "
+        "faster on GPUs). 'auto': bfloat16 when the compute dtype is bfloat16, else float32. Not part of the "
+        "stage's fingerprint."
     )
     compile: bool = Field(
         default=False, description="torch.compile the draft's TTT step (CUDA: faster after about a minute of "
@@ -151,6 +158,7 @@ class _Run:
     autocast: bool
     meta: dict[str, object]
     ctx: ddp.DistContext
+    master: list[torch.Tensor] | None = None  # fp32 copies of model.parameters() when the model holds bf16
     step: int = 0
     epoch: int = 0
     cursor: int = 0
@@ -184,13 +192,19 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     if init_from is not None:
         _warm_start(model, mapping, Path(init_from))
     model.to(device)
+    master = None
+    if config.param_dtype == "bfloat16" or (config.param_dtype == "auto" and bf16):
+        master = [p.detach().clone() for p in model.parameters()]  # fp32: what the optimizer updates
+        model.to(torch.bfloat16)
     if config.compile:
         model.step = torch.compile(model.step)  # one graph per TTT step; the loss and the optimizer stay eager
     # Only the draft vocabulary's rows of the target's lm_head are ever used in training.
     head = replace(full_head, lm_head=full_head.lm_head[mapping.target_ids]).to(
         torch.bfloat16 if bf16 else torch.float32, device)
-    decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    updated = list(model.parameters()) if master is None else master
+    names = [n for n, _ in model.named_parameters()]
+    decay = [p for n, p in zip(names, updated, strict=True) if not n.endswith("norm.weight")]
+    no_decay = [p for n, p in zip(names, updated, strict=True) if n.endswith("norm.weight")]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda",
@@ -203,7 +217,7 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     if too_long := sum(length > config.batch_tokens for length in lengths):
         log.warning("%d of %d samples are longer than train.batch_tokens=%d; they are cut to that length",
                     too_long, len(lengths), config.batch_tokens)
-    return _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx)
+    return _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx, master)
 
 
 def _warm_start(model: Eagle3Draft, mapping: VocabMapping, init_from: Path) -> None:
@@ -289,7 +303,7 @@ def _train_step(run: _Run, stream: _BatchStream) -> tuple[float, list[float], fl
     lr = lr_at(run.step, config)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    run.optimizer.zero_grad(set_to_none=True)
+    run.model.zero_grad(set_to_none=True)
     sums = torch.zeros(1 + config.ttt_steps, dtype=torch.float64, device=run.device)  # [loss, per-step...]
     for _ in range(config.grad_accum):
         batch, tokens, one_doc = stream.take()
@@ -301,8 +315,17 @@ def _train_step(run: _Run, stream: _BatchStream) -> tuple[float, list[float], fl
         (loss / config.grad_accum).backward()
         sums += torch.stack([loss.detach(), *[x.detach() for x in losses]]).double() / config.grad_accum
     ddp.sum_gradients(run.model.parameters(), run.ctx)
-    torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.max_grad_norm)
+    updated = list(run.model.parameters()) if run.master is None else run.master
+    if run.master is not None:  # bf16 gradients -> the fp32 master copy, which the optimizer updates
+        for master, param in zip(run.master, run.model.parameters(), strict=True):
+            master.grad = None if param.grad is None else param.grad.float()
+    torch.nn.utils.clip_grad_norm_(updated, config.max_grad_norm)
     run.optimizer.step()
+    if run.master is not None:
+        with torch.no_grad():
+            for master, param in zip(run.master, run.model.parameters(), strict=True):
+                param.copy_(master)
+                master.grad = None
     run.step += 1
     values = ddp.sum_values(sums, run.ctx).tolist()  # one host sync per step
     return values[0], values[1:], lr
@@ -318,6 +341,9 @@ def _resume(run: _Run, out_dir: Path) -> int | None:
         return None
     _check_compatible(found, run)
     run.model.load_state_dict(found.weights)
+    if run.master is not None:
+        for (name, _), master in zip(run.model.named_parameters(), run.master, strict=True):
+            master.copy_(found.weights[name])
     state = found.state
     run.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["cpu"])
@@ -353,12 +379,25 @@ def _save(run: _Run, out_dir: Path, protect: set[str]) -> Path:
         "data": {"epoch": run.epoch, "cursor": run.cursor},
         "tokens_seen": run.tokens_seen,
     }
-    return save_checkpoint(out_dir / CHECKPOINTS, run.step, run.model.state_dict(), state, run.meta, protect=protect)
+    return save_checkpoint(out_dir / CHECKPOINTS, run.step, _weights(run), state, run.meta, protect=protect)
+
+
+def _weights(run: _Run) -> dict[str, torch.Tensor]:
+    """The draft's weights at full precision: the fp32 master copy when the model holds bf16."""
+    state = run.model.state_dict()
+    if run.master is not None:
+        names = [name for name, _ in run.model.named_parameters()]
+        state.update(zip(names, run.master, strict=True))
+    return state
 
 
 def _evaluate(run: _Run, heldout: Path, head: TargetHead) -> dict:
     """Simulated acceptance of the current weights on the held-out store (one evals.jsonl entry)."""
-    report = simulate_acceptance((run.model, run.mapping), heldout, head, run.config.num_draft_tokens_eval)
+    model = run.model
+    if run.master is not None:  # scored in fp32, as the export will be
+        model = Eagle3Draft(run.model.config).to(run.device)
+        model.load_state_dict(_weights(run))
+    report = simulate_acceptance((model, run.mapping), heldout, head, run.config.num_draft_tokens_eval)
     return {"step": run.step, "checkpoint": checkpoint_name(run.step), "acceptance_length": report.acceptance_length,
             "per_position": report.per_position, "num_drafts": report.num_drafts}
 

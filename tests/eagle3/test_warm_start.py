@@ -74,3 +74,30 @@ def test_a_folder_that_is_not_an_export_is_refused_by_name(tmp_path):
     (tmp_path / "nothing").mkdir()
     with pytest.raises(TrainError, match=r"init_from=.*nothing.*not a readable exported draft"):
         _train(tmp_path / "out", init_from=tmp_path / "nothing")
+
+
+# -- bf16 weights with an fp32 master copy (param_dtype=bfloat16; the default on GPUs) ------
+def test_bf16_weights_keep_an_fp32_master_that_checkpoints_hold_and_resume_from(tmp_path):
+    from eagle3.checkpoint import load_checkpoint
+
+    world = tiny_world()
+    mixed = TrainConfig(steps=12, checkpoint_every=6, dtype="bfloat16", param_dtype="bfloat16",
+                        **(TRAIN_KW | {"warmup_steps": 1}))
+    common = dict(store_dir=world.train_store, target_dir=world.target_dir, head_path=world.head_path,
+                  vocab_path=world.vocab_path)
+    straight = train_draft(mixed, out_dir=tmp_path / "straight", **common)
+    weights = load_checkpoint(straight.checkpoint).weights
+    # The checkpoint holds fp32 values that bf16 cannot represent: small updates were not rounded away.
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())
+    # It follows the fp32 run's trajectory, step by step, up to bf16 rounding.
+    fp32 = train_draft(mixed.model_copy(update={"dtype": "float32", "param_dtype": "float32"}),
+                       out_dir=tmp_path / "fp32", **common)
+    assert straight.losses == pytest.approx(fp32.losses, rel=0.03)
+    # Killed at step 6 and resumed: the master copy comes back from the checkpoint, same trajectory.
+    train_draft(mixed, out_dir=tmp_path / "resumed", stop_after=6, **common)
+    resumed = train_draft(mixed, out_dir=tmp_path / "resumed", **common)
+    assert resumed.resumed_from_step == 6
+    assert resumed.losses == pytest.approx(straight.losses, rel=1e-5)
+    for name, tensor in load_checkpoint(resumed.checkpoint).weights.items():
+        torch.testing.assert_close(tensor, weights[name], rtol=1e-5, atol=1e-6, msg=name)
