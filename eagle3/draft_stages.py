@@ -7,7 +7,7 @@ Same contract as eagle3.stages: settings + upstream records in, one whole artifa
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -112,18 +112,15 @@ def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, ro
 
 
 # -- evaluate ----------------------------------------------------------------------------
-def fingerprint_evaluate(config: EvalConfig, exported: StageRecord, extracted: StageRecord,
-                         prepared: StageRecord | None = None) -> str:
-    upstream = [exported.fingerprint, extracted.fingerprint] + ([prepared.fingerprint] if prepared is not None else [])
-    return stage_fingerprint("evaluate", config, *upstream)
+def fingerprint_evaluate(config: EvalConfig, exported: StageRecord, extracted: StageRecord) -> str:
+    return stage_fingerprint("evaluate", config, exported.fingerprint, extracted.fingerprint)
 
 
 def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord,
-                 root: Path, fp: str, prepared: StageRecord | None = None) -> StageRecord:
+                 root: Path, fp: str) -> StageRecord:
     """(a) simulated acceptance on the held-out states; (b) with `config.served`, vLLM serving the
-    target with the draft on the held-out prompts (from `prepared`'s heldout.jsonl, or the
-    held-out store's token ids when no prepared record is given). Writes acceptance.json,
-    acceptance.md and the PNG plots."""
+    target with the draft on the held-out prompts (the held-out store's token ids, up to each
+    assistant turn). Writes acceptance.json, acceptance.md and the PNG plots."""
     final, done = _done(root, "evaluate", fp)
     if done:
         return done
@@ -137,7 +134,8 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
     served = None
     if config.served:
         limit = target_config.max_position_embeddings - config.served_max_new_tokens - config.num_draft_tokens - 1
-        prompts = heldout_prompts(_heldout_pairs(prepared, heldout), config.served_max_prompts, limit)
+        pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in StoreReader(heldout))
+        prompts = heldout_prompts(pairs, config.served_max_prompts, limit)
         served = served_acceptance(
             Path(info.model_dir), exported.path, prompts, num_draft_tokens=config.num_draft_tokens,
             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
@@ -160,16 +158,6 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                       "served_near_ties": served.near_ties, "served_num_drafts": served.num_drafts,
                       "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
-
-
-def _heldout_pairs(prepared: StageRecord | None, heldout_store: Path) -> Iterator[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) of the held-out samples: prepared data when given, else the store's."""
-    if prepared is not None:
-        for sample in data.read_samples(prepared.path / "heldout.jsonl"):
-            yield sample.input_ids, sample.loss_mask
-        return
-    for sample in StoreReader(heldout_store):
-        yield sample.input_ids.tolist(), sample.loss_mask.tolist()
 
 
 def _plots(out: Path, exported: StageRecord, report: AcceptanceReport, served: ServedReport | None) -> list[str]:

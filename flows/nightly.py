@@ -31,7 +31,6 @@ from eagle3.store import atomic_write_text
 from eagle3.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
 from flows.runner import StageRunner
-from flows.train_eagle3 import with_prepared
 from tasks import draft as draft_tasks
 from tasks import nightly as nightly_tasks
 from tasks import stages as data_tasks
@@ -69,10 +68,9 @@ def _part(run: StageRunner, p: PipelineConfig, file: incremental.IncomingFile, t
 
 def _evaluate(run: StageRunner, p: PipelineConfig, label: str, target: StageRecord, exported: StageRecord,
               assembled: StageRecord) -> StageRecord:
-    held_out = with_prepared(assembled)  # the assembled artifact holds heldout.jsonl too
-    fp = draft_stages.fingerprint_evaluate(p.eval, exported, assembled, **held_out)
+    fp = draft_stages.fingerprint_evaluate(p.eval, exported, assembled)
     return run.stage("evaluate", draft_tasks.evaluate, fp, label=label, config=p.eval, target=target, exported=exported,
-                     extracted=assembled, **held_out)
+                     extracted=assembled)
 
 
 def _train(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: StageRecord, vocab: StageRecord,

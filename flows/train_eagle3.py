@@ -18,7 +18,6 @@ id: every stage that finished comes back Cached, the failed one and those after 
 
 from __future__ import annotations
 
-import inspect
 import time
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3 import draft_stages, stages, vllm_adapter
-from eagle3.artifacts import StageRecord
 from eagle3.config import PipelineConfig
 from eagle3.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
@@ -35,15 +33,7 @@ from tasks import draft as draft_tasks
 from tasks import stages as data_tasks
 from tasks.gpu import gpu_cleanup, gpu_slot
 
-__all__ = ["StageFailed", "train_eagle3", "with_prepared"]
-
-
-def with_prepared(prepared: StageRecord) -> dict[str, StageRecord]:
-    """`prepared=` for the evaluate stage (held-out prompts for the served evaluation in vLLM) once both its
-    task and its fingerprint take it; nothing before that."""
-    takes = all("prepared" in inspect.signature(getattr(fn, "fn", fn)).parameters
-                for fn in (draft_tasks.evaluate, draft_stages.fingerprint_evaluate))
-    return {"prepared": prepared} if takes else {}
+__all__ = ["StageFailed", "train_eagle3"]
 
 
 @flow(name="train-eagle3", log_prints=False)
@@ -79,10 +69,9 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
             exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(trained),
                                  target=target, trained=trained, vocab=vocab)
             outcome["export_dir"] = exported.uri
-            held_out = with_prepared(prepared)
             evaluated = run.stage("evaluate", draft_tasks.evaluate,
-                                  draft_stages.fingerprint_evaluate(config.eval, exported, extracted, **held_out),
-                                  config=config.eval, target=target, exported=exported, extracted=extracted, **held_out)
+                                  draft_stages.fingerprint_evaluate(config.eval, exported, extracted),
+                                  config=config.eval, target=target, exported=exported, extracted=extracted)
             outcome["acceptance_length"] = evaluated.stats["acceptance_length"]
             outcome["evaluation"] = evaluated.uri
             vllm_adapter.release_all()
