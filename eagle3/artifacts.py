@@ -60,6 +60,23 @@ def _listing(directory: Path) -> dict[str, int]:
     }
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: so that renames inside it survive a power cut)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file below `root`, then `root` itself."""
+    for path in Path(root).rglob("*"):
+        if path.is_file():
+            fsync_path(path)
+    fsync_path(root)
+
+
 def mark_complete(directory: Path, record: StageRecord) -> StageRecord:
     """Write the completion marker (last step of building an artifact)."""
     marker = {"record": record.to_dict(), "files": _listing(directory)}

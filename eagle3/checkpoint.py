@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
+from eagle3.artifacts import fsync_path
 from eagle3.store import sha256_file
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,6 @@ class Checkpoint:
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(
@@ -98,7 +91,7 @@ def save_checkpoint(
         os.replace(final, old)
         shutil.rmtree(old)
     os.replace(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     for stale in list_checkpoints(root)[:-keep]:
         if stale.name not in protect:
             shutil.rmtree(stale)
@@ -120,7 +113,7 @@ def _write_folder(tmp: Path, step: int, weights: dict[str, torch.Tensor], state:
         files[name] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
     record = {"format_version": FORMAT_VERSION, "step": step, "files": files} | meta
     _write_bytes(tmp / META, json.dumps(record, indent=1).encode())
-    _fsync(tmp)
+    fsync_path(tmp)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

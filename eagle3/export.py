@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.artifacts import fsync_path
 from eagle3.checkpoint import load_checkpoint
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.target_head import rope_parameters_of
@@ -105,17 +106,9 @@ def export_draft(
         tensors["d2t"], tensors["t2d"] = mapping.d2t.contiguous(), mapping.t2d.contiguous()
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
     for path in (tmp / WEIGHTS, tmp / "config.json", tmp):
-        _fsync(path)
+        fsync_path(path)
     _swap_in(tmp, out_dir)
     return out_dir
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _swap_in(tmp: Path, out_dir: Path) -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eagle3.config import ConfigError, PipelineConfig, format_validation_error, layer_settings, merge_settings, preset_settings
+from eagle3.config import (
+    ConfigError,
+    PipelineConfig,
+    format_validation_error,
+    layer_settings,
+    merge_settings,
+    preset_settings,
+)
 from eagle3.publish import PublishConfig
 
 

@@ -22,7 +22,6 @@ is always promoted. A refused candidate leaves the registry untouched.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import shutil
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.artifacts import StageRecord
+from eagle3.artifacts import StageRecord, fsync_tree
 from eagle3.store import atomic_write_text
 
 CURRENT = "current.json"
@@ -166,21 +165,11 @@ def fetch_draft(current: PublishedDraft, registry: str, cache_dir: Path) -> Path
     return local
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def _stage_locally(export_dir: Path, vocab_file: Path, metadata: PublishedDraft, tmp: Path) -> None:
     shutil.copytree(export_dir, tmp, ignore=shutil.ignore_patterns(".eagle3-complete.json", ".*"))
     shutil.copyfile(vocab_file, tmp / VOCAB)
     (tmp / METADATA).write_text(metadata.model_dump_json(indent=1, exclude={"path"}))
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
 
 
 def publish(export_dir: Path, vocab_file: Path, metadata: PublishedDraft, registry: str) -> PublishedDraft:

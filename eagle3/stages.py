@@ -20,7 +20,15 @@ from eagle3.data import DataConfig, DataError
 from eagle3.extract import ExtractConfig, extract_store, storage_dtype
 from eagle3.fingerprint import fingerprint, hash_files
 from eagle3.regenerate import RegenerateConfig, regenerate
-from eagle3.target import HEAD_FILE, INFO_FILE, TargetConfig, TargetInfo, read_target_info, resolve_model_dir, target_fingerprint
+from eagle3.target import (
+    HEAD_FILE,
+    INFO_FILE,
+    TargetConfig,
+    TargetInfo,
+    read_target_info,
+    resolve_model_dir,
+    target_fingerprint,
+)
 from eagle3.target_head import extract_target_head
 
 # Bump a stage's version when its output format or meaning changes.

@@ -24,6 +24,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from eagle3.artifacts import fsync_path, fsync_tree
+from eagle3.store import atomic_write_text
 from eagle3.tokenizer_build import (
     CHATML_TEMPLATE,
     IM_START,
@@ -240,10 +242,10 @@ def _build_atomically(
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is a shared model folder
         write(tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         marker = {"format": MARKER_FORMAT, "kind": kind, "params": params, "files": files}
-        _write_text_atomically(tmp / MARKER, json.dumps(marker, indent=2, sort_keys=True))
+        atomic_write_text(tmp / MARKER, json.dumps(marker, indent=2, sort_keys=True))
         _swap_in(tmp, out_dir, kind, params)
     finally:
         if tmp.exists():  # only when the build failed or another process won the race
@@ -280,31 +282,7 @@ def _swap_in(tmp: Path, out_dir: Path, kind: str, params: dict) -> None:
         os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old)
-    _fsync_path(out_dir.parent)
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.iterdir():
-        if path.is_file():
-            _fsync_path(path)
-    _fsync_path(root)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    fsync_path(out_dir.parent)
 
 
 # ---------------------------------------------------------------- fingerprint
