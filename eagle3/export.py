@@ -93,8 +93,9 @@ def export_draft(
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # this one's and a killed export's leftovers
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     config = speculators_config(
         draft, aux_layer_ids=list(aux_layer_ids), target_dir=Path(target_dir),

@@ -53,6 +53,7 @@ class Moment:
     aim: str
     trigger: Trigger
     delay: float = 0.0
+    fresh_cache: bool = False  # an empty EAGLE3_CACHE_DIR: stage_target builds the tiny target (seconds, not ms)
 
 
 def after_line(stage: str) -> Trigger:
@@ -74,8 +75,9 @@ def moments(seed: int, count: int) -> list[Moment]:
     shard = "artifacts/extract/*/train/shard-*.safetensors"
     ckpt = "artifacts/train/*/checkpoints/step-*"
     makers = [
-        lambda: Moment("while starting (imports, flow run)", "startup", after_start(), rng.uniform(1.0, 8.0)),
-        lambda: Moment("right after the first gpu_cleanup", "stage_target", after_line("gpu_cleanup"), rng.uniform(0.0, 0.05)),
+        lambda: Moment("while starting (imports, flow run)", "startup", after_start(), rng.uniform(0.5, 3.0)),
+        lambda: Moment("stage_target: building the target into an empty cache", "stage_target", after_line("gpu_cleanup"),
+                       rng.uniform(0.0, 1.0), fresh_cache=True),
         lambda: Moment("regenerate: engine load or generation", "regenerate", after_line("stage_target"), rng.uniform(0.5, 12.0)),
         lambda: Moment("right after regenerate", "prepare_data", after_line("regenerate"), rng.uniform(0.0, 0.08)),
         lambda: (n := rng.randint(1, 4), Moment(f"extract: once {n} train shard(s) exist", "extract", when_file(shard, n)))[1],
@@ -84,7 +86,7 @@ def moments(seed: int, count: int) -> list[Moment]:
         lambda: (n := rng.randint(1, 2), Moment(f"train: once {n} checkpoint(s) exist", "train", when_file(ckpt, n),
                                                 rng.uniform(0.0, 0.3)))[1],
         lambda: Moment("export", "export", after_line("train"), rng.uniform(0.0, 0.4)),
-        lambda: Moment("evaluate", "evaluate", after_line("export"), rng.uniform(0.2, 3.0)),
+        lambda: Moment("evaluate", "evaluate", after_line("export"), rng.uniform(0.0, 0.5)),
         lambda: Moment("summary and report, after the last stage", "summary", after_line("evaluate"), rng.uniform(0.0, 0.3)),
     ]
     return [makers[i % len(makers)]() for i in range(count)]
@@ -200,6 +202,10 @@ def shard_hashes(run_dir: Path) -> dict[str, str]:
     return out
 
 
+def temporaries(folder: Path) -> list[str]:
+    return [str(p.relative_to(folder)) for p in folder.rglob(".*") if TEMPORARY.search(p.name)]
+
+
 def check_run_dir(run_dir: Path, reference: Reference) -> list[str]:
     """Everything a user would find wrong in a completed run dir (empty list: nothing)."""
     problems: list[str] = []
@@ -214,9 +220,8 @@ def check_run_dir(run_dir: Path, reference: Reference) -> list[str]:
     if differ:
         worst = max(float((got[k].float() - reference[k].float()).abs().max()) for k in differ)
         problems.append(f"export tensors differ from the uninterrupted run: {differ} (max abs diff {worst:.3g})")
-    temporaries = [str(p.relative_to(run_dir)) for p in run_dir.rglob(".*") if TEMPORARY.search(p.name)]
-    if temporaries:
-        problems.append(f"temporary files left: {temporaries}")
+    if left := temporaries(run_dir):
+        problems.append(f"temporary files left: {left}")
     artifacts = run_dir / "artifacts"
     for folder in sorted(p for p in artifacts.glob("*/*") if p.is_dir() and p.parent.name != "prefect-results"):
         if read_complete(folder) is None:
@@ -262,6 +267,8 @@ def kill_and_recover(moment: Moment, run_dir: Path, overrides: list[str], env: d
 
     The kill must land (else the outcome says so)."""
     args = run_args(run_dir, overrides)
+    if moment.fresh_cache:
+        env = env | {"EAGLE3_CACHE_DIR": str(run_dir.parent / f"{run_dir.name}-cache")}
     killed = run_once(args, env, kill=moment)
     if killed.returncode != -signal.SIGKILL:
         return Outcome(moment, "none", problems=[f"the run ended ({killed.returncode}) before the kill: {killed.output[-2000:]}"])
@@ -276,6 +283,9 @@ def kill_and_recover(moment: Moment, run_dir: Path, overrides: list[str], env: d
     outcome.redone = _redone(finished, final.printed)
     outcome.problems += [f"finished stage {s} was computed again" for s in outcome.redone]
     outcome.problems += check_run_dir(run_dir, reference)
+    if moment.fresh_cache:
+        if left := temporaries(Path(env["EAGLE3_CACHE_DIR"])):
+            outcome.problems.append(f"temporary files left in the target cache: {left}")
     return outcome
 
 
