@@ -70,7 +70,9 @@ def kill_matrix(work: Path, env: dict[str, str], count: int, seed: int) -> list[
         for_stage = by_stage.get(stage, [])
         if for_stage:
             lost = sorted({p for o in for_stage for p in o.problems})
-            rows.append((f"SIGKILL of the process tree during {stage}", len(for_stage), "; ".join(lost) or "nothing"))
+            where = {"startup": "start-up (imports, before the flow)", "gpu_cleanup#2": "the second gpu_cleanup",
+                     "summary": "the summary and report (after the last stage)"}.get(stage, stage)
+            rows.append((f"SIGKILL of the process tree during {where}", len(for_stage), "; ".join(lost) or "nothing"))
     # a kill during train, then the newest checkpoint truncated (a crash mid-flush): resume from the one before
     moment = harness.Moment("train: once 2 checkpoints exist", "train", harness.when_file("artifacts/train/*/checkpoints/step-*", 2))
     cut = [harness.kill_and_recover(moment, work / f"kill-cut-{i}", [], env, reference, harness.truncate_newest_checkpoint)

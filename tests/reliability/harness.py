@@ -69,6 +69,11 @@ def when_file(pattern: str, count: int = 1) -> Trigger:
     return lambda run_dir, printed: len(list(run_dir.glob(pattern))) >= count
 
 
+def building_target() -> Trigger:
+    """When the builtin target's temporary build folder appears in the run's own (fresh) target cache."""
+    return lambda run_dir, printed: any(run_dir.parent.glob(f"{run_dir.name}-cache/.tiny-llama-*.tmp-*"))
+
+
 def moments(seed: int, count: int) -> list[Moment]:
     """`count` moments spread over every stage (round robin over the stages, seeded delays and file counts)."""
     rng = random.Random(seed)
@@ -76,8 +81,8 @@ def moments(seed: int, count: int) -> list[Moment]:
     ckpt = "artifacts/train/*/checkpoints/step-*"
     makers = [
         lambda: Moment("while starting (imports, flow run)", "startup", after_start(), rng.uniform(0.5, 3.0)),
-        lambda: Moment("stage_target: building the target into an empty cache", "stage_target", after_line("gpu_cleanup"),
-                       rng.uniform(0.0, 1.0), fresh_cache=True),
+        lambda: Moment("stage_target: building the target into an empty cache", "stage_target", building_target(),
+                       rng.uniform(0.0, 0.3), fresh_cache=True),
         lambda: Moment("regenerate: engine load or generation", "regenerate", after_line("stage_target"), rng.uniform(0.5, 12.0)),
         lambda: Moment("right after regenerate", "prepare_data", after_line("regenerate"), rng.uniform(0.0, 0.08)),
         lambda: (n := rng.randint(1, 4), Moment(f"extract: once {n} train shard(s) exist", "extract", when_file(shard, n)))[1],
@@ -164,9 +169,11 @@ def run_once(args: list[str], env: dict[str, str], kill: Moment | None = None, t
     return Attempt(proc.returncode, _stage_lines(output), output)
 
 
-def hit_stage(printed: list[str]) -> str:
+def hit_stage(killed: Attempt) -> str:
     """The stage running when the process died: the one after the last printed line."""
-    labels = _labels(printed)
+    if "eagle3: run dir" not in killed.output:  # printed just before the flow starts
+        return "startup"
+    labels = _labels(killed.printed)
     done = len(labels)
     return ORDER[done + 1] if done + 1 < len(ORDER) else "summary"
 
@@ -274,7 +281,7 @@ def kill_and_recover(moment: Moment, run_dir: Path, overrides: list[str], env: d
         return Outcome(moment, "none", problems=[f"the run ended ({killed.returncode}) before the kill: {killed.output[-2000:]}"])
     if after_kill is not None:
         after_kill(run_dir)
-    outcome = Outcome(moment, hit_stage(killed.printed))
+    outcome = Outcome(moment, hit_stage(killed))
     finished = {label for label, line in zip(_labels(killed.printed), killed.printed) if not line.endswith("Failed")}
     outcome.attempts, final = run_until_complete(args, env)
     if final.returncode != 0:
@@ -306,7 +313,7 @@ def kill_chain(chain: list[Moment], run_dir: Path, overrides: list[str], env: di
     finished: set[str] = set()
     for moment in chain:
         killed = run_once(args, env, kill=moment)
-        outcome = Outcome(moment, hit_stage(killed.printed) if killed.returncode == -signal.SIGKILL else "none")
+        outcome = Outcome(moment, hit_stage(killed) if killed.returncode == -signal.SIGKILL else "none")
         outcome.redone = _redone(finished, killed.printed)
         outcome.problems += [f"finished stage {s} was computed again" for s in outcome.redone]
         if killed.returncode != -signal.SIGKILL:
