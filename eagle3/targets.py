@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import struct
 import tempfile
 import uuid
@@ -238,7 +239,8 @@ def _build_atomically(
             f"refusing to overwrite it. Choose another folder or remove it."
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    _remove_dead_builds(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{_BUILDER}-", dir=out_dir.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is a shared model folder
         write(tmp)
@@ -251,6 +253,28 @@ def _build_atomically(
         if tmp.exists():  # only when the build failed or another process won the race
             shutil.rmtree(tmp)
     return out_dir
+
+
+_BUILDER = f"{socket.gethostname()}-{os.getpid()}"  # in temporary build names: whose build it is
+
+
+def _remove_dead_builds(out_dir: Path) -> None:
+    """Delete temporary builds of `out_dir` left by killed builders of this host (their pid is gone)."""
+    host = socket.gethostname()
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-{host}-*"):
+        pid = tmp.name.removeprefix(f".{out_dir.name}.tmp-{host}-").split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_complete(out_dir: Path, kind: str, params: dict) -> bool:
