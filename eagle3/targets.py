@@ -240,7 +240,8 @@ def _build_atomically(
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_builds(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{_BUILDER}-", dir=out_dir.parent))
+    builder = f"{socket.gethostname()}-{os.getpid()}"  # whose build it is, for _remove_dead_builds
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{builder}-", dir=out_dir.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is a shared model folder
         write(tmp)
@@ -253,9 +254,6 @@ def _build_atomically(
         if tmp.exists():  # only when the build failed or another process won the race
             shutil.rmtree(tmp)
     return out_dir
-
-
-_BUILDER = f"{socket.gethostname()}-{os.getpid()}"  # in temporary build names: whose build it is
 
 
 def _remove_dead_builds(out_dir: Path) -> None:
