@@ -30,7 +30,7 @@ from eagle3 import data
 from eagle3.artifacts import StageRecord, building, mark_complete
 from eagle3.data import DataError
 from eagle3.fingerprint import fingerprint
-from eagle3.store import MANIFEST, atomic_write_text
+from eagle3.store import MANIFEST, SHARD_FILE, atomic_write_text
 
 ASSEMBLE_VERSION = "1"
 _DATED = re.compile(r"^(\d{4}-\d{2}-\d{2}).*\.jsonl$")
@@ -114,6 +114,9 @@ def _merge_store(parts: list[tuple[str, Path]], out: Path) -> dict[str, int]:
             raise DataError(f"store {store} ({label}) has layout {layout}, the earlier parts {merged}: "
                             "all files must be extracted with the same target and extract settings")
         for entry in manifest["shards"]:
+            if not isinstance(entry.get("file"), str) or not SHARD_FILE.fullmatch(entry["file"]):
+                raise DataError(f"{store / MANIFEST} lists {entry.get('file')!r}, not a shard file name of the store; "
+                                "the manifest was edited by hand: delete that extract artifact and run again")
             name = f"p{index:04d}-{entry['file']}"
             _link(store / entry["file"], out / name)
             shards.append(entry | {"file": name, "sample_ids": [f"{label}:{i}" for i in entry["sample_ids"]]})

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.artifacts import StageRecord
 from eagle3.store import atomic_write_text
 
 
@@ -30,6 +31,11 @@ class RunSummary(BaseModel):
         default_factory=list, description="Each gpu_cleanup report of this run, in order: holders found, what was "
         "done to each, GPU memory before and after"
     )
+    data: dict = Field(
+        default_factory=dict, description="What the data stages kept and dropped: train/heldout samples, source rows "
+        "skipped as unusable (skipped_rows; each with its line and reason in bad_rows_report), conversations "
+        "regenerate skipped as too long, samples dropped or cut to data.max_tokens"
+    )
     target_loads: list[dict] = Field(
         default_factory=list, description="Each target load of this run (logs/target_loads.jsonl): seconds, and the "
         "GPU memory preflight done before it"
@@ -46,6 +52,8 @@ class RunSummary(BaseModel):
             lines += ["", f"**Acceptance length (simulated, held-out): {self.acceptance_length:.3f}**"]
         if self.export_dir:
             lines += [f"Exported draft: `{self.export_dir}`"]
+        if self.data.get("skipped_rows"):
+            lines += [f"Skipped {self.data['skipped_rows']} unusable source row(s): `{self.data.get('bad_rows_report')}`"]
         for number, report in enumerate(self.gpu_cleanup, start=1):
             lines += [f"gpu_cleanup {number}: {report.get('summary', '')}"]
         return "\n".join(lines)
@@ -54,6 +62,17 @@ class RunSummary(BaseModel):
 def write_summary(path: Path, summary: RunSummary) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(summary.model_dump(mode="json"), indent=1) + "\n")
+
+
+PREPARE_STATS = ("train_samples", "heldout_samples", "dropped", "truncated", "skipped_rows", "bad_rows_report")
+
+
+def data_report(regenerated: StageRecord, prepared: StageRecord) -> dict:
+    """summary.json's `data`: the data stages' counts (regenerate's `skipped` as `too_long_for_regenerate`)."""
+    report = {k: prepared.stats[k] for k in PREPARE_STATS if k in prepared.stats}
+    if "skipped" in regenerated.stats:
+        report["too_long_for_regenerate"] = regenerated.stats["skipped"]
+    return report
 
 
 def loads_since(load_log: Path, since: float) -> list[dict]:

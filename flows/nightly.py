@@ -23,12 +23,13 @@ from prefect.artifacts import create_markdown_artifact
 
 from eagle3 import draft_stages, incremental, stages, vllm_adapter
 from eagle3.artifacts import StageRecord
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, check_against_target
 from eagle3.fingerprint import fingerprint
 from eagle3.nightly import NightlyConfig
 from eagle3.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
 from eagle3.store import atomic_write_text
 from eagle3.summary import RunSummary, loads_since, write_summary
+from eagle3.target import TargetInfo
 from flows.report import run_report
 from flows.runner import StageRunner
 from tasks import draft as draft_tasks
@@ -139,6 +140,7 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
             cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir))
             target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(p.target),
                                config=p.target, cache_dir=p.builtin_cache)
+            check_against_target(p, TargetInfo.read(target.path))  # in seconds, not after extraction
             done = [_part(run, p, file, target, load_log) for file in files]
             vllm_adapter.release_all()
             cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir))

@@ -25,8 +25,9 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3 import draft_stages, stages, vllm_adapter
-from eagle3.config import PipelineConfig
-from eagle3.summary import RunSummary, loads_since, write_summary
+from eagle3.config import PipelineConfig, check_against_target
+from eagle3.summary import RunSummary, data_report, loads_since, write_summary
+from eagle3.target import TargetInfo
 from flows.report import run_report
 from flows.runner import StageFailed, StageRunner
 from tasks import draft as draft_tasks
@@ -51,12 +52,14 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
             cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
             target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
                                config=config.target, cache_dir=config.builtin_cache)
+            check_against_target(config, TargetInfo.read(target.path))  # in seconds, not after extraction
             regen = run.stage("regenerate", data_tasks.regenerate,
                               stages.fingerprint_regenerate(config.regenerate, config.data, target, config.target.max_model_len),
                               config=config.regenerate, data_config=config.data, target_config=config.target, target=target,
                               load_log=load_log)
             prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(config.data, regen, target),
                                  config=config.data, regenerated=regen, target=target, trust_remote_code=config.target.trust_remote_code)
+            outcome["data"] = data_report(regen, prepared)
             extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(config.extract, config.target, prepared, target),
                                   config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
             vllm_adapter.release_all()  # free the target's memory before training

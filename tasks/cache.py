@@ -6,10 +6,19 @@ persisted as JSON (StageRecord) under the run's artifact root. Before calling a 
 flow checks that the artifact itself is whole (eagle3.artifacts.read_complete); when it
 is not (deleted, truncated, half-built) the task is run with refresh_cache=True, so a
 cached record never points at a missing artifact.
+
+A persisted result file names its own serializer, and Prefect obeys it: a file rewritten to
+say "pickle" would be unpickled (code run) when the cache is read. So before Prefect reads
+one, `trusted_result` checks that it is what this module writes: Prefect's JSON serializer
+with its standard decoder, holding exactly one object, a StageRecord. Anything else is
+deleted (with a warning) and the task runs afresh; the stage function then finds its whole
+artifact and returns it without work.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from prefect import Task
@@ -17,6 +26,29 @@ from prefect.context import TaskRunContext
 
 from eagle3.artifacts import read_complete
 from eagle3.stages import out_dir
+
+log = logging.getLogger(__name__)
+
+RESULTS = "prefect-results"
+JSON_DECODER = "prefect.serializers.prefect_json_object_decoder"
+RECORD_CLASS = "eagle3.artifacts.StageRecord"
+
+
+def trusted_result(path: Path) -> bool:
+    """True when the persisted result at `path` is a JSON StageRecord as this module writes it."""
+    try:
+        record = json.loads(Path(path).read_text())
+        serializer = record["metadata"]["serializer"]
+        payload = record["result"]
+        inner = json.loads(payload)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return False
+    return (
+        isinstance(serializer, dict) and serializer.get("type") == "json"
+        and serializer.get("jsonlib", "json") == "json" and serializer.get("object_decoder") == JSON_DECODER
+        and isinstance(inner, dict) and inner.get("__class__") == RECORD_CLASS
+        and payload.count('"__class__"') == 1  # the decoder imports whatever a nested "__class__" names
+    )
 
 
 def fingerprint_key(context: TaskRunContext, parameters: dict) -> str:
@@ -26,10 +58,17 @@ def fingerprint_key(context: TaskRunContext, parameters: dict) -> str:
 def cached(task: Task, root: Path, stage: str, fp: str) -> Task:
     """`task` configured for this run: results under `root`, cache refreshed when the artifact is not whole."""
     whole = read_complete(out_dir(root, stage, fp)) is not None
+    storage = Path(root).resolve() / RESULTS
+    result = storage / f"{task.name}-{fp}"
+    if result.exists() and not trusted_result(result):
+        log.warning("%s is not a JSON StageRecord as eagle3 writes it (edited by hand, or another serializer); "
+                    "deleted unread, the %s stage runs again", result, stage)
+        result.unlink()
+        whole = False
     return task.with_options(
         cache_key_fn=fingerprint_key,
         persist_result=True,
-        result_storage=Path(root).resolve() / "prefect-results",  # a Path: a str would name a block
+        result_storage=storage,  # a Path: a str would name a block
         result_serializer="json",
         refresh_cache=not whole,
     )

@@ -31,3 +31,18 @@ def test_truncated_or_deleted_file_makes_the_artifact_absent(tmp_path: Path):
     assert read_complete(final) is not None
     (final / "b.bin").unlink()
     assert read_complete(final) is None
+
+
+def test_the_run_summary_says_how_many_source_rows_were_skipped_and_where_the_list_is(tmp_path):
+    from eagle3.artifacts import StageRecord
+    from eagle3.summary import RunSummary, data_report
+
+    regen = StageRecord(stage="regenerate", uri=str(tmp_path), fingerprint="r", stats={"skipped": 2})
+    prepared = StageRecord(stage="prepare_data", uri=str(tmp_path), fingerprint="p", stats={
+        "train_samples": 40, "heldout_samples": 8, "dropped": 1, "truncated": 3, "skipped_rows": 5,
+        "bad_rows_report": str(tmp_path / "bad_rows.jsonl"), "train_tokens": 999})
+    report = data_report(regen, prepared)
+    assert report == {"train_samples": 40, "heldout_samples": 8, "dropped": 1, "truncated": 3, "skipped_rows": 5,
+                      "bad_rows_report": str(tmp_path / "bad_rows.jsonl"), "too_long_for_regenerate": 2}
+    text = RunSummary(data=report).to_markdown()
+    assert f"Skipped 5 unusable source row(s): `{tmp_path / 'bad_rows.jsonl'}`" in text

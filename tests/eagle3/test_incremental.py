@@ -12,7 +12,7 @@ import torch
 from eagle3.artifacts import StageRecord, read_complete
 from eagle3.data import DataError, TokenizedSample, read_samples, write_samples
 from eagle3.incremental import discover, fingerprint_assemble, run_assemble
-from eagle3.store import Sample, StoreReader, StoreWriter
+from eagle3.store import MANIFEST, Sample, StoreReader, StoreWriter
 
 
 def _touch(folder: Path, *names: str) -> None:
@@ -77,3 +77,15 @@ def test_assemble_refuses_parts_extracted_with_another_layout(tmp_path: Path):
     with pytest.raises(DataError, match="same target and extract settings"):
         run_assemble(parts, tmp_path / "artifacts", fingerprint_assemble(parts))
     assert not (tmp_path / "artifacts" / "assemble").exists() or not any((tmp_path / "artifacts" / "assemble").iterdir())
+
+
+def test_assemble_refuses_a_manifest_that_points_outside_its_store(tmp_path: Path):
+    parts = [_part(tmp_path, "2026-01-01", ["a", "b", "c"])]
+    manifest_path = parts[0][2].path / "train" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    (tmp_path / "secret.safetensors").write_text("not yours")
+    manifest["shards"][0]["file"] = "../../secret.safetensors"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"'\.\./\.\./secret\.safetensors', not a shard file name"):
+        run_assemble(parts, tmp_path / "artifacts", fingerprint_assemble(parts))
+    assert not list((tmp_path / "artifacts").rglob("p0000-*"))

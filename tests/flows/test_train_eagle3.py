@@ -44,6 +44,9 @@ def test_first_run_completes_every_stage_and_writes_the_summary(first_run):
     # Both gpu_cleanup reports and the load (with its GPU memory preflight) are in summary.json.
     assert [c["mode"] for c in on_disk["gpu_cleanup"]] == ["own", "own"]
     assert all("gpu cleanup (mode own)" in c["summary"] for c in on_disk["gpu_cleanup"])
+    # What the data stages kept and dropped, with the per-line report of unusable rows.
+    assert on_disk["data"]["train_samples"] + on_disk["data"]["heldout_samples"] > 0
+    assert on_disk["data"]["skipped_rows"] == 0 and Path(on_disk["data"]["bad_rows_report"]).is_file()
     (load,) = on_disk["target_loads"]
     assert load["preflight"]["need_mib"] > 0 and "checked" in load["preflight"]
 
@@ -100,3 +103,16 @@ def test_report_artifact_shows_cache_hits_sizes_and_acceptance(first_run):
     assert rows["gpu_cleanup"][2] == ""  # never cached: no cache column
     assert "| simulated | " in report and f"{summary.acceptance_length:.3f}" in report
     assert "## Plots" in report
+
+
+def test_a_draft_vocabulary_larger_than_the_targets_fails_right_after_stage_target(prefect_harness, builtin_cache, tmp_path):
+    from flows.train_eagle3 import train_eagle3
+
+    config = build_config("tiny", run_dir=str(tmp_path / "run"),
+                          overrides=[f"cache_dir={builtin_cache}", "vocab.draft_vocab_size=1000000"])
+    state = train_eagle3(config, return_state=True)
+    assert state.is_failed()
+    assert "vocab.draft_vocab_size=1000000 is larger than the target's vocabulary" in str(state.result(raise_on_failure=False))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [row["name"] for row in summary["stages"]] == ["gpu_cleanup", "stage_target"]  # nothing regenerated or extracted
+    assert _loads(tmp_path / "run") == 0
