@@ -159,6 +159,7 @@ class _Run:
     meta: dict[str, object]
     ctx: ddp.DistContext
     master: list[torch.Tensor] | None = None  # fp32 copies of model.parameters() when the model holds bf16
+    greedy_cache: dict[str, torch.Tensor] = field(default_factory=dict)  # held-out scoring: the target's greedy tokens
     step: int = 0
     epoch: int = 0
     cursor: int = 0
@@ -397,7 +398,8 @@ def _evaluate(run: _Run, heldout: Path, head: TargetHead) -> dict:
     if run.master is not None:  # scored in fp32, as the export will be
         model = Eagle3Draft(run.model.config).to(run.device)
         model.load_state_dict(_weights(run))
-    report = simulate_acceptance((model, run.mapping), heldout, head, run.config.num_draft_tokens_eval)
+    report = simulate_acceptance((model, run.mapping), heldout, head, run.config.num_draft_tokens_eval,
+                                 greedy_cache=run.greedy_cache)
     return {"step": run.step, "checkpoint": checkpoint_name(run.step), "acceptance_length": report.acceptance_length,
             "per_position": report.per_position, "num_drafts": report.num_drafts}
 

@@ -93,6 +93,12 @@ def test_a_trained_draft_is_accepted_more_than_an_untrained_one(tmp_path):
     assert after.num_drafts == before.num_drafts == 12 * 30
     assert after.acceptance_length > before.acceptance_length + 0.2, (before, after)
     assert after.per_position[0] >= after.per_position[1] >= after.per_position[2]
+    # Scoring many checkpoints: the target's greedy tokens are computed once per held-out sample.
+    cache: dict = {}
+    assert simulate_acceptance(export, world.heldout_store, head, 3, greedy_cache=cache) == after
+    assert len(cache) == 12
+    assert simulate_acceptance((untrained, mapping), world.heldout_store, head, 3, greedy_cache=cache) == before
+    assert len(cache) == 12
 
 
 def test_plots_are_written_as_png_and_refuse_an_empty_log(tmp_path):
