@@ -38,7 +38,7 @@ VERSIONS = {
     "prepare_data": "1",
     "extract": "1",
     "vocab": "1",
-    "train": "1",
+    "train": "2",  # 2: the draft's residual is hidden_norm(hidden) (norm_before_residual=True)
     "export": "1",
     "evaluate": "1",
 }

@@ -21,13 +21,13 @@ from eagle3.vocab import load_mapping
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, one_thread, tiny_head, tiny_llama_config, tiny_world  # noqa: F401
 
 
-def _random_draft(seed: int = 0) -> tuple[Eagle3Draft, object, object]:
+def _random_draft(seed: int = 0, **changes: object) -> tuple[Eagle3Draft, object, object]:
     """A draft with weights large enough that attention and MLP visibly matter."""
     world = tiny_world()
     mapping = load_mapping(world.vocab_path)
     config = DraftConfig.from_target(
         read_target_config(world.target_dir), num_aux_hidden_states=3, draft_vocab_size=mapping.draft_vocab_size
-    )
+    ).model_copy(update=changes)
     model = Eagle3Draft(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -78,17 +78,18 @@ def test_parameter_names_are_the_ones_vllm_and_speculators_load():
     assert model.fc.weight.shape == (64, 3 * 64) and model.lm_head.weight.shape == (256, 64)
 
 
-def test_every_ttt_step_matches_speculators_eagle3_draft_model():
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_every_ttt_step_matches_speculators_eagle3_draft_model(norm_before_residual):
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     world, head = tiny_world(), tiny_head()
-    model, mapping, config = _random_draft()
+    model, mapping, config = _random_draft(norm_before_residual=norm_before_residual)
     layer = config.llama_config()
     layer._attn_implementation = "eager"
     reference = Eagle3DraftModel(Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=config.draft_vocab_size, norm_before_residual=False,
+        transformer_layer_config=layer, draft_vocab_size=config.draft_vocab_size, norm_before_residual=norm_before_residual,
         eagle_aux_hidden_state_layer_ids=AUX_LAYER_IDS,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],

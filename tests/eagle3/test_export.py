@@ -38,7 +38,7 @@ def test_config_and_weights_are_what_vllm_reads(tmp_path):
     out = _export(tmp_path / "draft", num_speculative_tokens=4)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
-    assert config["norm_before_residual"] is False  # vLLM assumes True when the key is missing
+    assert config["norm_before_residual"] is True  # always written: speculators' default, vLLM's when absent
     assert config["draft_vocab_size"] == 256 and config["target_hidden_size"] == 64
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX_LAYER_IDS
     layer = config["transformer_layer_config"]
@@ -61,7 +61,7 @@ def test_vllm_turns_the_config_into_its_eagle3_llama_draft(tmp_path):
     out = _export(tmp_path / "draft")
     config = SpeculatorsConfig.from_pretrained(str(out))
     assert config.architectures == ["Eagle3LlamaForCausalLM"]
-    assert (config.draft_vocab_size, config.norm_before_residual, config.head_dim) == (256, False, 32)
+    assert (config.draft_vocab_size, config.norm_before_residual, config.head_dim) == (256, True, 32)
     assert config.eagle_aux_hidden_state_layer_ids == AUX_LAYER_IDS
     vllm_spec = SpeculatorsConfig.extract_vllm_speculative_config(json.loads((out / "config.json").read_text()))
     assert vllm_spec == {"method": "eagle3", "num_speculative_tokens": 3}
