@@ -355,6 +355,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=48, help="samples in the store (one micro-batch each)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps of the real trainer")
     parser.add_argument("--loader-threads", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=4, help="grad_accum of the rows that accumulate")
     parser.add_argument("--profile-only", action="store_true", help="GPU: profile one compute-only step and stop")
     parser.add_argument("--compile-probe", action="store_true",
                         help="compute only, TTT attention: eager vs the draft's step under torch.compile, then stop")
@@ -415,11 +416,12 @@ def main() -> None:
     runs = [("bf16 store, page cache warm", store, 1, False, False, "auto"),
             ("bf16 store, from disk", store, 1, True, False, "auto"),
             ("fp8 store, from disk", fp8_store, 1, True, False, "auto"),
-            ("bf16 store, from disk, grad_accum 4", store, 4, True, False, "auto"),
+            (f"bf16 store, from disk, grad_accum {args.accum}", store, args.accum, True, False, "auto"),
             ("bf16 store, from disk, compile", store, 1, True, True, "auto"),
-            ("bf16 store, from disk, grad_accum 4, compile", store, 4, True, True, "auto"),
+            (f"bf16 store, from disk, grad_accum {args.accum}, compile", store, args.accum, True, True, "auto"),
             ("bf16 store, from disk, fp32 weights", store, 1, True, False, "float32"),
-            ("bf16 store, from disk, grad_accum 4, compile, fp32 weights", store, 4, True, True, "float32")]
+            (f"bf16 store, from disk, grad_accum {args.accum}, compile, fp32 weights", store, args.accum, True, True,
+             "float32")]
     for label, path, accum, cold, compiled, param_dtype in runs:
         if not cuda and (cold or compiled):
             continue
