@@ -60,6 +60,17 @@ def _listing(directory: Path) -> dict[str, int]:
     }
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (another user's process counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a folder (a folder: so that renames inside it survive a power cut)."""
     fd = os.open(path, os.O_RDONLY)

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3.artifacts import fsync_path, fsync_tree
+from eagle3.artifacts import fsync_path, fsync_tree, pid_alive
 from eagle3.store import atomic_write_text
 from eagle3.tokenizer_build import (
     CHATML_TEMPLATE,
@@ -261,18 +261,8 @@ def _remove_dead_builds(out_dir: Path) -> None:
     host = socket.gethostname()
     for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-{host}-*"):
         pid = tmp.name.removeprefix(f".{out_dir.name}.tmp-{host}-").split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_complete(out_dir: Path, kind: str, params: dict) -> bool:

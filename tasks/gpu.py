@@ -36,6 +36,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.logging import get_run_logger
 
+from eagle3.artifacts import pid_alive
 from eagle3.gpu import GpuCleanupConfig, cleanup_gpus
 from eagle3.store import atomic_write_text
 
@@ -78,16 +79,6 @@ def _holders() -> Path:
     return default_cache_dir() / "gpu-slot"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
-
-
 def reclaim_dead_holders() -> int:
     """Give back the slots of runs of THIS machine whose process is gone (killed with SIGKILL, OOM-killed):
     otherwise the next run waits for their lease to run out. Returns how many were given back."""
@@ -99,7 +90,7 @@ def reclaim_dead_holders() -> int:
             holder = json.loads(note.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if holder.get("host") != socket.gethostname() or _alive(int(holder["pid"])):
+        if holder.get("host") != socket.gethostname() or pid_alive(int(holder["pid"])):
             continue
         with contextlib.suppress(Exception):  # the lease may have run out already: nothing to give back
             release_concurrency_slots_with_lease(UUID(holder["lease_id"]))
