@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -175,3 +178,63 @@ def next_batch_indices(
         used += size
         cursor += 1
     return chosen, epoch, cursor
+
+
+class BatchStream:
+    """The training run's micro-batches in order, read, packed (and copied to the GPU) ahead by a thread pool.
+
+    The sequence is fixed by (seed, epoch, cursor), exactly as next_batch_indices walks it; the
+    run's own (epoch, cursor) advances only when a batch is taken, so a checkpoint records the
+    position of the batches really trained on. Each process loads only the micro-batches it owns.
+    """
+
+    def __init__(self, run: Any, depth: int = 4) -> None:
+        self.run, self.epoch, self.cursor, self.index = run, run.epoch, run.cursor, 0
+        self.pool = ThreadPoolExecutor(max_workers=run.config.loader_threads, thread_name_prefix="batches")
+        self.copy_stream = torch.cuda.Stream(run.device) if run.device.type == "cuda" else None
+        self.pending: deque[tuple[int, int, int, int, Future | None]] = deque()
+        for _ in range(depth):
+            self._submit()
+
+    def _submit(self) -> None:
+        c = self.run.config
+        indices, self.epoch, self.cursor = next_batch_indices(self.run.lengths, c.seed, self.epoch, self.cursor, c.batch_tokens)
+        tokens = sum(min(self.run.lengths[i], c.batch_tokens) for i in indices)
+        mine = self.run.ctx.owns(self.index % c.grad_accum)
+        future = self.pool.submit(self._load, indices) if mine else None
+        self.pending.append((self.epoch, self.cursor, tokens, len(indices), future))
+        self.index += 1
+
+    def _load(self, indices: list[int]) -> tuple[MicroBatch, torch.cuda.Event | None]:
+        run = self.run
+        batch = read_batch(run.locations, indices, run.config.ttt_steps, run.config.batch_tokens,
+                           pin=self.copy_stream is not None)
+        if self.copy_stream is None:
+            return batch.map(lambda t: t.to(run.device)), None
+        with torch.cuda.stream(self.copy_stream):  # host-to-device copies overlap the compute stream
+            moved = batch.map(lambda t: t.to(run.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return moved, event
+
+    def take(self) -> tuple[MicroBatch | None, int, bool]:
+        """The next micro-batch (None when another process owns it), its token count, and one_doc."""
+        epoch, cursor, tokens, num_docs, future = self.pending.popleft()
+        self._submit()
+        self.run.epoch, self.run.cursor = epoch, cursor
+        if future is None:
+            return None, tokens, num_docs == 1
+        batch, event = future.result()
+        if event is not None:
+            stream = torch.cuda.current_stream(self.run.device)
+            stream.wait_event(event)
+            for tensor in (getattr(batch, name) for name in FIELDS):
+                if tensor is not None:
+                    tensor.record_stream(stream)  # allocated on the copy stream, used on this one
+        return batch, tokens, num_docs == 1
+
+    def close(self) -> None:
+        for *_, future in self.pending:
+            if future is not None:
+                future.cancel()
+        self.pool.shutdown(wait=True)
