@@ -125,16 +125,17 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
     if done:
         return done
     heldout = extracted.path / "heldout"
-    if len(StoreReader(heldout)) == 0:
+    reader = StoreReader(heldout)  # checks the shards' sha256 once for both evaluations
+    if len(reader) == 0:
         raise ValueError("no held-out samples to evaluate on; raise data.heldout_fraction or data.max_samples")
     info = TargetInfo.read(target.path)
     target_config = read_target_config(Path(info.model_dir))
     head = load_target_head(target.path / HEAD_FILE, target_config)
-    report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens)
+    report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False)
     served = None
     if config.served:
         limit = target_config.max_position_embeddings - config.served_max_new_tokens - config.num_draft_tokens - 1
-        pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in StoreReader(heldout))
+        pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in reader)
         prompts = heldout_prompts(pairs, config.served_max_prompts, limit)
         served = served_acceptance(
             Path(info.model_dir), exported.path, prompts, num_draft_tokens=config.num_draft_tokens,

@@ -159,9 +159,11 @@ def simulate_acceptance(
     target_head: TargetHead,
     num_draft_tokens: int = 3,
     greedy_cache: dict[str, torch.Tensor] | None = None,
+    verify: bool = True,
 ) -> AcceptanceReport:
     """Acceptance of `draft` (an exported folder, or a model and its mapping) on a held-out store.
-    `greedy_cache`: see sample_accepted (pass the same dict for every checkpoint of one run)."""
+    `greedy_cache`: see sample_accepted (pass the same dict for every checkpoint of one run).
+    `verify=False`: the caller has already checked the store's shards against their sha256."""
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens is {num_draft_tokens}; expected at least 1 (evaluate.num_draft_tokens)")
     if isinstance(draft, tuple):
@@ -180,7 +182,7 @@ def simulate_acceptance(
     model.eval()
     accepted, served = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.bool)]
     try:
-        for sample in StoreReader(heldout_store_dir):
+        for sample in StoreReader(heldout_store_dir, verify=verify):
             rows, counts = sample_accepted(model, mapping, head, sample, num_draft_tokens, greedy_cache)
             accepted.append(counts)
             served.append(served_walk(rows, counts))

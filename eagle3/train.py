@@ -337,7 +337,7 @@ def _evaluate(run: _Run, heldout: Path, head: TargetHead) -> dict:
         model = Eagle3Draft(run.model.config).to(run.device)
         model.load_state_dict(_weights(run))
     report = simulate_acceptance((model, run.mapping), heldout, head, run.config.num_draft_tokens_eval,
-                                 greedy_cache=run.greedy_cache)
+                                 greedy_cache=run.greedy_cache, verify=False)  # verified once, in _loop
     return {"step": run.step, "checkpoint": checkpoint_name(run.step), "acceptance_length": report.acceptance_length,
             "per_position": report.per_position, "num_drafts": report.num_drafts}
 
@@ -409,6 +409,8 @@ def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[[int
     config, main = run.config, run.ctx.is_main
     history, evals = _read_jsonl(out_dir / LOSSES, run.step), _read_jsonl(out_dir / EVALS, run.step)
     eval_head = load_target_head(head_path, read_target_config(target_dir)) if heldout is not None else None
+    if heldout is not None:
+        StoreReader(heldout)  # checks every held-out shard's sha256 once; each scoring then reads unverified
     last = None if resumed is None else out_dir / CHECKPOINTS / checkpoint_name(resumed)
 
     def evaluate_checkpoint() -> None:
