@@ -200,7 +200,9 @@ def as_export(checkpoint: Path, out: Path) -> Path:
 def evaluate(export: Path, model_dir: Path, heldout_store: Path, head, prompts: list[list[int]], served: bool,
              dtype: str) -> dict:
     sim = simulate_acceptance(export, heldout_store, head, num_draft_tokens=3)
-    row = {"simulated": sim.acceptance_length, "simulated_per_position": sim.per_position}
+    # simulated_walk: the same drafts, only at the rows a served greedy run drafts at (what vLLM's counters count)
+    row = {"simulated": sim.acceptance_length, "simulated_per_position": sim.per_position,
+           "simulated_walk": sim.served_acceptance_length}
     if served:
         report = served_acceptance(model_dir, export, prompts, num_draft_tokens=3, max_new_tokens=64, dtype=dtype)
         row |= {"served": report.acceptance_length, "identical": report.identical_share,
@@ -277,13 +279,15 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
 
 
 def print_table(rows: list[dict]) -> None:
-    """One line per (samples, trainer). `scoring`: CPU s of ours spent scoring checkpoints on held-out states
+    """One line per (samples, trainer). `sim AL`: simulated over every held-out row; `walk AL`: the same drafts
+    at only the rows a served greedy run drafts at (after a draft with a accepted, a+1 rows on). `scoring`: CPU s of ours spent scoring checkpoints on held-out states
     (included in CPU s); `to their AL`: CPU s at which ours first reached speculators' final simulated AL, with
     and without that scoring, and as a share of speculators' CPU s."""
     print(f"\n{'samples':>7} {'trainer':>12} {'tokens':>8} {'CPU s':>6} {'scoring':>7} {'wall s':>6} {'sim AL':>6} "
-          f"{'served AL':>9} {'identical':>9} {'to their AL':>11} {'share':>5} {'unscored':>8} {'share':>5}")
+          f"{'walk AL':>7} {'served AL':>9} {'identical':>9} {'to their AL':>11} {'share':>5} {'unscored':>8} {'share':>5}")
     for r in rows:
         served = f"{r['served']:9.3f}" if "served" in r else f"{'-':>9}"
+        walk = f"{r['simulated_walk']:7.3f}" if "simulated_walk" in r else f"{'-':>7}"
         identical = f"{r['identical']:9.1%}" if "identical" in r else f"{'-':>9}"
         scoring = f"{r['scoring_cpu_s']:7.0f}" if "scoring_cpu_s" in r else f"{'-':>7}"
         reach, unscored = r.get("cpu_s_to_reach_speculators"), r.get("cpu_s_to_reach_unscored")
@@ -293,7 +297,7 @@ def print_table(rows: list[dict]) -> None:
         else:
             reach_text = f"{'not reached' if 'cpu_s_to_reach_speculators' in r else '-':>11} {'-':>5} {'-':>8} {'-':>5}"
         print(f"{r['samples']:7d} {r['trainer']:>12} {r['tokens']:8d} {r['cpu_s']:6.0f} {scoring} {r['wall_s']:6.0f} "
-              f"{r['simulated']:6.3f} {served} {identical} {reach_text}")
+              f"{r['simulated']:6.3f} {walk} {served} {identical} {reach_text}")
 
 
 def main() -> None:
