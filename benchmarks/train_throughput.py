@@ -8,8 +8,8 @@ samples, TTT 3, bf16 autocast with fp32 master weights and fused AdamW. It print
 - compute only, no TTT attention growth: every TTT step attends causally over its own keys
   only (the naive figure FIELD-NOTES quotes), one micro-batch resident on the GPU;
 - compute only, real TTT attention: the trainer's batch_loss on a resident micro-batch;
-- the real trainer (bf16 weights with an fp32 master copy, its default on CUDA; also fp32 weights,
-  and torch.compile of the step): eagle3.train.train_draft reading an extraction store written first
+- the real trainer (its CUDA defaults: bf16 weights with an fp32 master copy, and torch.compile of
+  the TTT step and the loss kernels; also eager, and fp32 weights): eagle3.train.train_draft reading an extraction store written first
   with eagle3.store.StoreWriter on the local disk (page cache dropped when allowed), with
   its thread-pool reader and side-stream host-to-device copies, timed from its own
   per-step progress callbacks (first steps excluded: allocator and cuBLAS warm-up);
@@ -334,7 +334,7 @@ def _attn_dense(model, xs, positions, doc_ids):
 
 
 def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: Path, s: dict, ttt: int, steps: int,
-                 accum: int, threads: int, compile: bool = False, param_dtype: str = "auto") -> tuple[float, object]:
+                 accum: int, threads: int, compile: bool | None = None, param_dtype: str = "auto") -> tuple[float, object]:
     """Tokens/s of eagle3.train.train_draft, from its per-step progress callbacks (first steps excluded:
     allocator warm-up, and torch.compile's compilation when `compile`)."""
     stamps: list[float] = []
@@ -412,16 +412,16 @@ def main() -> None:
         print(f"disk read, page cache {state}, {args.loader_threads} threads: {bandwidth / 1e9:.2f} GB/s = "
               f"{bandwidth / (4 * s['hidden'] * 2):,.0f} tokens/s of bf16 states, "
               f"{bandwidth / (4 * s['hidden'] + 16):,.0f} of fp8", flush=True)
-    # (label, store, grad_accum, page cache dropped, compile, param_dtype); "auto" = bf16 weights + fp32 master on CUDA
-    runs = [("bf16 store, page cache warm", store, 1, False, False, "auto"),
-            ("bf16 store, from disk", store, 1, True, False, "auto"),
-            ("fp8 store, from disk", fp8_store, 1, True, False, "auto"),
-            (f"bf16 store, from disk, grad_accum {args.accum}", store, args.accum, True, False, "auto"),
-            ("bf16 store, from disk, compile", store, 1, True, True, "auto"),
-            (f"bf16 store, from disk, grad_accum {args.accum}, compile", store, args.accum, True, True, "auto"),
-            ("bf16 store, from disk, fp32 weights", store, 1, True, False, "float32"),
-            (f"bf16 store, from disk, grad_accum {args.accum}, compile, fp32 weights", store, args.accum, True, True,
-             "float32")]
+    # (label, store, grad_accum, page cache dropped, compile, param_dtype); the trainer's defaults on CUDA: compile
+    # (None = on for CUDA) and "auto" param_dtype = bf16 weights + fp32 master
+    n = args.accum
+    runs = [("defaults, bf16 store, page cache warm", store, 1, False, None, "auto"),
+            ("defaults, bf16 store, from disk", store, 1, True, None, "auto"),
+            ("defaults, fp8 store, from disk", fp8_store, 1, True, None, "auto"),
+            (f"defaults, bf16 store, from disk, grad_accum {n}", store, n, True, None, "auto"),
+            ("eager (compile=false), bf16 store, from disk", store, 1, True, False, "auto"),
+            (f"eager (compile=false), bf16 store, from disk, grad_accum {n}", store, n, True, False, "auto"),
+            (f"fp32 weights, bf16 store, from disk, grad_accum {n}", store, n, True, None, "float32")]
     for label, path, accum, cold, compiled, param_dtype in runs:
         if not cuda and (cold or compiled):
             continue

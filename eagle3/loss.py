@@ -8,6 +8,9 @@ predicts; a step's loss is the weighted mean over rows, the total is the mean ov
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -53,8 +56,42 @@ def fused_kl_loss(logits: torch.Tensor, probs: torch.Tensor, neg_entropy: torch.
     return _FusedKL.apply(logits, probs, neg_entropy, weights)
 
 
+def target_distribution(head: TargetHead, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary: final [L, H] -> probs [L, Vd] (fp32) and
+    neg_entropy [L] = sum_v p log p. No gradient flows into it."""
+    with torch.no_grad():
+        target_logp = F.log_softmax(target_logits(head, final).float(), dim=-1)  # [L, Vd]
+        probs = target_logp.exp()  # [L, Vd]
+        return probs, (probs * target_logp).sum(-1)
+
+
+def plain_kl_loss(logits: torch.Tensor, probs: torch.Tensor, neg_entropy: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """fused_kl_loss as plain differentiable ops: what torch.compile turns into two fused kernels (a
+    log-softmax-and-cross reduction forward, one elementwise pass backward), where eager would keep
+    several [L, Vd] fp32 temporaries."""
+    cross = (probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [L]
+    return ((neg_entropy - cross) * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+class LossKernels(NamedTuple):
+    """How batch_loss computes the target distribution and the per-step KL: eagerly (EAGER), or
+    compiled (`compiled_kernels`, train.compile). Both compute the same values up to rounding."""
+
+    target: Callable[[TargetHead, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    kl: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+EAGER = LossKernels(target_distribution, fused_kl_loss)
+
+
+def compiled_kernels() -> LossKernels:
+    """torch.compile'd loss kernels (the KL's [L, Vd] passes fused; shapes marked dynamic as rows vary)."""
+    return LossKernels(torch.compile(target_distribution, dynamic=True), torch.compile(plain_kl_loss, dynamic=True))
+
+
 def batch_loss(
-    model: Eagle3Draft, batch: MicroBatch, head: TargetHead, one_doc: bool = False
+    model: Eagle3Draft, batch: MicroBatch, head: TargetHead, one_doc: bool = False, kernels: LossKernels = EAGER
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Mean-over-steps loss and the per-step losses of one micro-batch.
 
@@ -62,10 +99,7 @@ def batch_loss(
     compute dtype. `one_doc`: the batch is one sample (plain causal attention).
     """
     aux, final = batch.split_states(head.embed.dtype)  # [L, n_aux, H], [L, H]
-    with torch.no_grad():
-        target_logp = F.log_softmax(target_logits(head, final).float(), dim=-1)  # [L, Vd]
-        probs = target_logp.exp()  # [L, Vd]
-        neg_entropy = (probs * target_logp).sum(-1)  # [L]
+    probs, neg_entropy = kernels.target(head, final)  # [L, Vd], [L]
     per_step = []
     drafts = model.unroll(aux, batch.step_tokens, batch.positions, None if one_doc else batch.doc_ids, head.embed)
     for step, draft_logits in enumerate(drafts):  # draft_logits [L, Vd]
@@ -73,6 +107,6 @@ def batch_loss(
         if rows <= 0:
             per_step.append(draft_logits.sum() * 0.0)
             continue
-        per_step.append(fused_kl_loss(draft_logits[:rows], probs[1 + step :], neg_entropy[1 + step :],
-                                      batch.weights[step, :rows]))
+        per_step.append(kernels.kl(draft_logits[:rows], probs[1 + step :], neg_entropy[1 + step :],
+                                   batch.weights[step, :rows]))
     return torch.stack(per_step).mean(), per_step

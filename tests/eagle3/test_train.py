@@ -168,8 +168,8 @@ def test_resume_keeps_the_held_out_scores_and_scores_what_is_missing(tmp_path):
         assert ours["acceptance_length"] == pytest.approx(theirs["acceptance_length"], abs=1e-9)
 
 
-def test_fused_kl_equals_the_definition_with_gradients():
-    from eagle3.loss import fused_kl_loss, kl_loss
+def test_fused_and_plain_kl_equal_the_definition_with_gradients():
+    from eagle3.loss import fused_kl_loss, kl_loss, plain_kl_loss
 
     generator = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(7, 50, generator=generator)).requires_grad_(True)
@@ -182,6 +182,24 @@ def test_fused_kl_equals_the_definition_with_gradients():
     (want,) = torch.autograd.grad(reference, logits)
     (got,) = torch.autograd.grad(fused, logits)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    plain = plain_kl_loss(logits, probs, (probs * target_logp).sum(-1), weights)  # what train.compile compiles
+    torch.testing.assert_close(plain, reference, rtol=1e-6, atol=1e-7)
+    (got,) = torch.autograd.grad(plain, logits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_training_follows_eager_training(tmp_path):
+    """train.compile (on by default on CUDA) compiles the TTT step and the loss kernels. Here on the CPU's
+    compiler: the same losses and weights up to rounding, with the step and the loss kernels compiled."""
+    from torch._dynamo.utils import counters
+
+    eager = _train(tmp_path / "eager", steps=6, checkpoint_every=6, grad_accum=2, compile=False)
+    counters.clear()
+    compiled = _train(tmp_path / "compiled", steps=6, checkpoint_every=6, grad_accum=2, compile=True)
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+    for name, tensor in _final_weights(eager).items():
+        torch.testing.assert_close(_final_weights(compiled)[name], tensor, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] >= 3 + 2  # the step at TTT steps 0, 1, 2; target and KL kernels
 
 
 def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
@@ -236,7 +254,7 @@ def test_batches_read_straight_from_the_shards_equal_the_store_readers(tmp_path,
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
-def test_compiling_the_step_does_not_change_the_train_fingerprint():
+def test_compiling_does_not_change_the_train_fingerprint():
     """train.compile changes speed, not what is trained: cached train artifacts stay valid."""
     from eagle3.artifacts import StageRecord
     from eagle3.draft_stages import fingerprint_train
