@@ -44,7 +44,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.batches import MicroBatch, pack  # noqa: E402
-from eagle3.draft import DraftConfig, Eagle3Draft, TTTCache, rope_cos_sin, ttt_attention_mask  # noqa: E402
+from eagle3.draft import (  # noqa: E402
+    DraftConfig,
+    Eagle3Draft,
+    TTTCache,
+    rope_cos_sin,
+    ttt_attention_mask,
+    use_varlen,
+)
 from eagle3.loss import batch_loss, fused_kl_loss  # noqa: E402
 from eagle3.store import FP8, Sample, StoreWriter, quantize_fp8  # noqa: E402
 from eagle3.target_head import TargetHead, read_target_config  # noqa: E402
@@ -285,7 +292,7 @@ def attention_check(model: Eagle3Draft, s: dict, device: torch.device, ttt: int)
         for one_doc in (True, False):
             docs = torch.zeros_like(doc_ids) if one_doc else doc_ids
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                fast = _attn_fast(model, xs, positions, None if one_doc else docs)
+                fast = _attn_fast(model, xs, positions, None if one_doc else docs, dtype)
                 ref = _attn_dense(model, xs, positions, docs)
             errors = []
             for step in range(ttt):
@@ -293,16 +300,17 @@ def attention_check(model: Eagle3Draft, s: dict, device: torch.device, ttt: int)
             grads_f = torch.autograd.grad(sum(o.float().square().sum() for o in fast), xs, retain_graph=False)
             grads_r = torch.autograd.grad(sum(o.float().square().sum() for o in ref), xs)
             gerr = max(((a - b).float().norm() / b.float().norm()).item() for a, b in zip(grads_f, grads_r))
-            lines.append(f"  attention {str(dtype).removeprefix('torch.'):8s} {'1 doc ' if one_doc else '2 docs'}: "
+            path = "varlen" if use_varlen(None if one_doc else docs, dtype) else "sdpa"
+            lines.append(f"  attention {str(dtype).removeprefix('torch.'):8s} {'1 doc ' if one_doc else '2 docs'} {path:6s}: "
                          f"out rel err per step {', '.join(f'{e:.1e}' for e in errors)}; grad rel err {gerr:.1e}")
     return lines
 
 
-def _attn_fast(model, xs, positions, doc_ids):
-    from eagle3.draft import sink_block_mask
+def _attn_fast(model, xs, positions, doc_ids, dtype):
+    from eagle3.draft import new_ttt_cache
 
     xs = [x.requires_grad_(True) for x in xs]
-    cache = TTTCache(mask=sink_block_mask(doc_ids, xs[0].shape[0], xs[0].device))
+    cache = new_ttt_cache(doc_ids, xs[0].shape[0], xs[0].device, dtype)
     outs = []
     for step, x in enumerate(xs):
         cos, sin = rope_cos_sin(positions + step, model.inv_freq, model.rope_scaling)
