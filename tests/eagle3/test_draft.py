@@ -243,9 +243,34 @@ def _dense_attention(model, xs, positions, doc_ids):
     return outs
 
 
-@pytest.mark.parametrize("documents", [1, 3])
-def test_fast_ttt_attention_equals_the_dense_mask_definition_with_gradients(documents):
-    from eagle3.draft import TTTCache, rope_cos_sin, sink_block_mask
+def fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """FAKE of torch.nn.attention.varlen.varlen_attn, which runs only on CUDA (flash kernels): causal
+    attention within each sequence of cu_q, by SDPA per sequence on the CPU. It lets the CPU test our
+    layout for packed samples (one sink per sample, the row mapping); the H200 run of
+    benchmarks/train_throughput.py checks the real kernel against the same definition."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert max_q == max_k >= int((cu_q[1:] - cu_q[:-1]).max())
+    outs = []
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        part = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, d]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(*part, is_causal=True, scale=scale)[0]
+                    .transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_doc_layout_gives_every_sample_its_own_sink_row():
+    from eagle3.draft import DocLayout
+
+    layout = DocLayout.build(torch.tensor([0, 0, 0, 1, 1]))
+    assert layout.cu.tolist() == [0, 3, 5] and layout.cu_ext.tolist() == [0, 4, 7]
+    assert layout.sinks.tolist() == [0, 4] and layout.rows_ext.tolist() == [1, 2, 3, 5, 6]
+    assert layout.max_len == 4  # 3 rows + the sink, as a power of two
+
+
+@pytest.mark.parametrize("documents,layout", [(1, "mask"), (3, "mask"), (3, "varlen (fake kernel)")])
+def test_fast_ttt_attention_equals_the_dense_mask_definition_with_gradients(documents, layout, monkeypatch):
+    import eagle3.draft
+    from eagle3.draft import DocLayout, TTTCache, rope_cos_sin, sink_block_mask
 
     model, _, config = _random_draft(2)
     length = 40
@@ -253,7 +278,11 @@ def test_fast_ttt_attention_equals_the_dense_mask_definition_with_gradients(docu
     positions = torch.cat([torch.arange(int((doc_ids == d).sum())) for d in range(documents)])
     generator = torch.Generator().manual_seed(4)
     xs = [torch.randn(length, 2 * config.hidden_size, generator=generator, requires_grad=True) for _ in range(4)]
-    cache = TTTCache(mask=sink_block_mask(None if documents == 1 else doc_ids, length, torch.device("cpu")))
+    if layout == "mask":
+        cache = TTTCache(mask=sink_block_mask(None if documents == 1 else doc_ids, length, torch.device("cpu")))
+    else:
+        monkeypatch.setattr(eagle3.draft, "_VARLEN", (fake_varlen_attn, {"window_size": (-1, 0)}, True))
+        cache = TTTCache(mask=None, docs=DocLayout.build(doc_ids))
     fast = []
     for step, x in enumerate(xs):
         cos, sin = rope_cos_sin(positions + step, model.inv_freq, model.rope_scaling)
