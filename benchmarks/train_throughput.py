@@ -342,18 +342,41 @@ def _attn_dense(model, xs, positions, doc_ids):
 
 
 def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: Path, s: dict, ttt: int, steps: int,
-                 accum: int, threads: int, compile: bool | None = None, param_dtype: str = "auto") -> tuple[float, object]:
+                 accum: int, threads: int, compile: bool | None = None, param_dtype: str = "auto",
+                 batch_tokens: int | None = None) -> tuple[float, object]:
     """Tokens/s of eagle3.train.train_draft, from its per-step progress callbacks (first steps excluded:
     allocator warm-up, and torch.compile's compilation when `compile`)."""
     stamps: list[float] = []
-    config = TrainConfig(steps=steps + 1, warmup_steps=1, batch_tokens=s["seq"], ttt_steps=ttt, grad_accum=accum,
+    batch_tokens = batch_tokens or s["seq"]
+    config = TrainConfig(steps=steps + 1, warmup_steps=1, batch_tokens=batch_tokens, ttt_steps=ttt, grad_accum=accum,
                          checkpoint_every=10**6, loader_threads=threads, learning_rate=1e-5, compile=compile,
                          param_dtype=param_dtype)
     result = train_draft(config, store_dir=store, target_dir=target, head_path=head_file, vocab_path=vocab,
                          out_dir=out, stop_after=steps, progress=lambda *_: stamps.append(time.perf_counter()))
     skip = min(5 if accum == 1 else 2, len(stamps) - 2)
     per_step = (stamps[-1] - stamps[skip]) / (len(stamps) - 1 - skip)
-    return accum * s["seq"] / per_step, result
+    return accum * batch_tokens / per_step, result
+
+
+def packed_rows(args, s: dict, ttt: int, root: Path, target: Path, head_file: Path, vocab: Path,
+                device: torch.device, flops: float, rate: float) -> None:
+    """The real trainer on short samples packed several to a micro-batch (chat data): attention within each
+    sample only, by varlen flash attention on CUDA (by a masked SDPA elsewhere)."""
+    short = dict(s, seq=args.packed_len)
+    flops = flops_per_token(short, ttt)  # attention over these samples' own keys
+    count = args.samples * s["seq"] // args.packed_len
+    store, _ = write_store(root / "store-packed", short, count, device)
+    print(f"packed: {count} samples of {args.packed_len} tokens in micro-batches of {args.packed_batch} tokens",
+          flush=True)
+    for label, accum, compiled in (("defaults", 1, None), ("defaults, grad_accum 2", 2, None),
+                                   ("eager (compile=false)", 1, False)):
+        state = drop_page_cache() if device.type == "cuda" else "warm"
+        steps = max(4, args.steps * s["seq"] // args.packed_batch // accum)
+        tps, result = time_trainer(store, target, head_file, vocab, root / f"packed-{label}", short, ttt, steps, accum,
+                                   args.loader_threads, compiled, "auto", batch_tokens=args.packed_batch)
+        print(f"real trainer, packed, {label} (page cache {state}): {tps:,.0f} tokens/s, {tps * flops / 1e12:.0f} "
+              f"TFLOP/s, MFU@790 {tps * flops / PEAK_790:.1%}, {tps / FIELD_NOTES_NAIVE:.1%} of 69,700; "
+              f"{result.steps_done} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
 
 
 def main() -> None:
@@ -370,6 +393,10 @@ def main() -> None:
     parser.add_argument("--precision-probe", action="store_true",
                         help="compute only, no TTT attention growth: fp32 weights + bf16 autocast (the trainer's) vs "
                         "bf16 weights (FIELD-NOTES' naive step may have used these), eager and compiled, then stop")
+    parser.add_argument("--packed-len", type=int, default=0,
+                        help="only the real trainer on samples of this many tokens, packed into micro-batches of "
+                        "--packed-batch tokens (varlen attention on CUDA), then stop")
+    parser.add_argument("--packed-batch", type=int, default=8192, help="train.batch_tokens with --packed-len")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     s, ttt = (SHAPE_TINY if args.tiny else SHAPE_8B), 3
@@ -384,6 +411,9 @@ def main() -> None:
           f"bf16 matmul {rate / 1e12:.0f} TFLOP/s; {flops / 1e9:.2f} GFLOP per trained token", flush=True)
     print(f"store: {args.samples} x {s['seq']} tokens, {gib:.2f} GiB, written in {write_s:.1f} s", flush=True)
 
+    if args.packed_len:
+        packed_rows(args, s, ttt, root, target, head_file, vocab, device, flops, rate)
+        return
     model, head, batch = _model_and_batch(s, target, head_file, store, device, ttt)
     if args.profile_only:
         profile_compute(model, head, batch, device)

@@ -28,7 +28,9 @@ TTT (training-time test): the draft is unrolled for K steps over every row t at 
 Attention at step j, row t: step-0 keys of rows <= t (same document) and the keys of
 steps 1..j at row t itself, which is what vLLM's draft KV cache holds when it drafts
 token j+1 after row t (ttt_attention_mask is that definition; Eagle3Draft._attend computes
-it in O(L) extra memory, as one causal attention plus a "sink" key per row). Rotary
+it in O(L) extra memory, as one causal attention plus a "sink" key per row). Packed samples
+are kept apart by varlen flash attention on CUDA (one sink per sample, DocLayout), else by a
+mask. Rotary
 position of step j at row t: position(t) + j.
 """
 
