@@ -44,18 +44,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.batches import MicroBatch, pack  # noqa: E402
-from eagle3.draft import (  # noqa: E402
-    DraftConfig,
-    Eagle3Draft,
-    TTTCache,
-    rope_cos_sin,
-    ttt_attention_mask,
-    use_varlen,
-)
+from eagle3.draft import DraftConfig, Eagle3Draft, rope_cos_sin  # noqa: E402
 from eagle3.loss import batch_loss, fused_kl_loss  # noqa: E402
 from eagle3.store import FP8, Sample, StoreWriter, quantize_fp8  # noqa: E402
 from eagle3.target_head import TargetHead, read_target_config  # noqa: E402
 from eagle3.train import TrainConfig, train_draft  # noqa: E402
+from eagle3.ttt_attention import TTTCache, ttt_attention_mask, use_varlen  # noqa: E402
 from eagle3.vocab import VocabMapping, save_mapping  # noqa: E402
 
 SHAPE_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256, draft_vocab=32000,
@@ -307,7 +301,7 @@ def attention_check(model: Eagle3Draft, s: dict, device: torch.device, ttt: int)
 
 
 def _attn_fast(model, xs, positions, doc_ids, dtype):
-    from eagle3.draft import new_ttt_cache
+    from eagle3.ttt_attention import new_ttt_cache
 
     xs = [x.requires_grad_(True) for x in xs]
     cache = new_ttt_cache(doc_ids, xs[0].shape[0], xs[0].device, dtype)
