@@ -22,6 +22,7 @@ Data parallel (torchrun): see eagle3.ddp; rank 0 writes checkpoints and logs.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -233,6 +234,15 @@ def _allow_graphs(ttt_steps: int) -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * 2 * ttt_steps)
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when it cannot compile (dynamo's errors, Inductor's)."""
+    import torch._dynamo.exc
+
+    errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    inductor = getattr(importlib.import_module("torch._inductor.exc"), "InductorError", None)
+    return (*errors, inductor) if inductor is not None else tuple(errors)
+
+
 def _warm_start(model: Eagle3Draft, mapping: VocabMapping, init_from: Path) -> None:
     """Load an exported draft's weights into the freshly built `model` (same shape, same d2t/t2d)."""
     try:
@@ -263,9 +273,19 @@ def _train_step(run: _Run, stream: BatchStream) -> tuple[float, list[float], flo
         run.tokens_seen += tokens
         if batch is None:
             continue
-        with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
-            loss, losses = batch_loss(run.model, batch, run.head, one_doc, run.kernels)
-        (loss / config.grad_accum).backward()
+        try:
+            with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
+                loss, losses = batch_loss(run.model, batch, run.head, one_doc, run.kernels)
+            (loss / config.grad_accum).backward()
+        except _compile_errors() as err:
+            if run.kernels is EAGER:
+                raise
+            inner = getattr(err, "inner_exception", None) or err.__cause__  # what the compiler itself raised
+            lines = [line for line in str(err).splitlines() if line.strip()][:2]
+            detail = f"{type(err).__name__}, from {type(inner).__name__}: {inner}" if inner else " ".join(lines)
+            raise TrainError(f"torch.compile failed on the draft's training step ({detail[:400]}); "
+                             "set train.compile=false to train eagerly (slower on GPUs), or repair the compiler "
+                             "setup (Triton, a C++ compiler)") from err
         sums += torch.stack([loss.detach(), *[x.detach() for x in losses]]).double() / config.grad_accum
     ddp.sum_gradients(run.model.parameters(), run.ctx)
     updated = list(run.model.parameters()) if run.master is None else run.master

@@ -202,6 +202,21 @@ def test_compiled_training_follows_eager_training(tmp_path):
     assert counters["stats"]["unique_graphs"] >= 3 + 2  # the step at TTT steps 0, 1, 2; target and KL kernels
 
 
+def test_a_compiler_that_fails_names_the_setting_to_train_eagerly(tmp_path, monkeypatch):
+    """A node whose torch.compile cannot build kernels (no Triton, no C++ compiler) fails on the first step
+    with the setting to change, and writes no checkpoint."""
+    import functools
+
+    def broken_backend(graph, example_inputs):
+        raise RuntimeError("no C++ compiler on this node")
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=broken_backend))
+    with pytest.raises(TrainError, match=r"train\.compile=false") as failure:
+        _train(tmp_path / "run", steps=6, checkpoint_every=2, compile=True)
+    assert "no C++ compiler on this node" in str(failure.value)
+    assert not list_checkpoints(tmp_path / "run" / "checkpoints")
+
+
 def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
     """The loss reads row r's target at r+1+j as a slice; it equals the explicit gather of
     ttt_alignment's target positions, on a batch of several packed samples."""
