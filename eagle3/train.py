@@ -107,7 +107,7 @@ class TrainConfig(BaseModel):
     )
     compile: bool | None = Field(
         default=None, description="torch.compile the draft's TTT step and the loss kernels (about a minute of "
-        "compiling, then faster: 63,000 against 46,000 tokens/s on an H200, benchmarks/train_throughput.py; results "
+        "compiling, then faster: 55,300 against 45,400 tokens/s on an H200, benchmarks/train_throughput.py; results "
         "equal eager up to rounding). None: on for CUDA, off on the CPU. Not part of the stage's fingerprint."
     )
 
