@@ -5,7 +5,7 @@ layers, 32 heads / 8 KV heads, MLP 14336, vocab 128256, bf16) built on the GPU f
 config, batches of 8 x 2048 tokens. It prints
 - the disk's write bandwidth (files written and fsynced by as many threads as the writer pool),
 - plain prefill tokens/s: the inner model's forward (decoder stack, no capture, no lm_head),
-- full extraction tokens/s: eagle3.extract.extract_store with backend "hf" into a store on
+- full extraction tokens/s: eagle3.capture.extract.extract_store with backend "hf" into a store on
   the local disk (capture, device->host copy, serialization, sha256, fsync, manifest),
   its ratio to the forward, bytes per token, and its share of the disk bound,
 - the same for fp8 storage, and the error fp8 introduces against the bf16 store.
@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.data import TokenizedSample  # noqa: E402
-from eagle3.extract import ExtractConfig, extract_store, storage_dtype  # noqa: E402
-from eagle3.layers import default_aux_layer_ids  # noqa: E402
-from eagle3.store import StoreReader, write_safetensors  # noqa: E402
+from eagle3.capture.extract import ExtractConfig, extract_store, storage_dtype  # noqa: E402
+from eagle3.capture.store import StoreReader, write_safetensors  # noqa: E402
+from eagle3.data.conversations import TokenizedSample  # noqa: E402
+from eagle3.data.target import default_aux_layer_ids  # noqa: E402
 
 SHAPE_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256)

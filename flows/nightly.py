@@ -6,7 +6,7 @@ served draft's weights) -> export -> evaluate (candidate) -> evaluate (served dr
 held-out set) -> publish (the gate)
 
 Files that were there last night come back Cached at every stage: only the new ones are
-regenerated and extracted. The gate (eagle3.publish) compares both drafts on the same
+regenerated and extracted. The gate (eagle3.ops.publish) compares both drafts on the same
 held-out set; a refused candidate ends the run Completed, with a "Not promoted" artifact,
 and the registry untouched. <run_dir>/nightly.json records files, shards extracted per
 file in this run, and the gate's decision.
@@ -21,15 +21,16 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from eagle3 import draft_stages, incremental, stages, vllm_adapter
-from eagle3.artifacts import StageRecord
+from eagle3 import draft_stages, stages
+from eagle3.artifacts import StageRecord, atomic_write_text
+from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig, check_against_target
+from eagle3.data.target import TargetInfo
 from eagle3.fingerprint import fingerprint
-from eagle3.nightly import NightlyConfig
-from eagle3.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
-from eagle3.store import atomic_write_text
-from eagle3.summary import RunSummary, loads_since, write_summary
-from eagle3.target import TargetInfo
+from eagle3.ops import incremental
+from eagle3.ops.nightly import NightlyConfig
+from eagle3.ops.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
+from eagle3.ops.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
 from flows.runner import StageRunner
 from tasks import draft as draft_tasks

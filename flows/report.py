@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3.summary import RunSummary, StageRow
+from eagle3.ops.summary import RunSummary, StageRow
 
 INLINE_LIMIT = 400_000  # bytes of PNG shown inline; larger ones are linked
 

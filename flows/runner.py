@@ -18,7 +18,7 @@ from prefect import Task
 from prefect.states import State
 
 from eagle3.artifacts import StageRecord
-from eagle3.summary import StageRow
+from eagle3.ops.summary import StageRow
 from tasks.cache import cached
 from tasks.output import child_output_to_logs
 

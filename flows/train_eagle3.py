@@ -24,10 +24,11 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from eagle3 import draft_stages, stages, vllm_adapter
+from eagle3 import draft_stages, stages
+from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig, check_against_target
-from eagle3.summary import RunSummary, data_report, loads_since, write_summary
-from eagle3.target import TargetInfo
+from eagle3.data.target import TargetInfo
+from eagle3.ops.summary import RunSummary, data_report, loads_since, write_summary
 from flows.report import run_report
 from flows.runner import StageFailed, StageRunner
 from tasks import draft as draft_tasks

@@ -9,9 +9,9 @@ from prefect import task
 
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
-from eagle3.evaluate import EvalConfig
-from eagle3.train import TrainConfig
-from eagle3.vocab import VocabConfig
+from eagle3.draft.evaluate import EvalConfig
+from eagle3.draft.train import TrainConfig
+from eagle3.draft.vocab import VocabConfig
 from tasks.progress import progress_reporter
 
 

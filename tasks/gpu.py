@@ -36,9 +36,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.logging import get_run_logger
 
-from eagle3.artifacts import pid_alive
-from eagle3.gpu import GpuCleanupConfig, cleanup_gpus
-from eagle3.store import atomic_write_text
+from eagle3.artifacts import atomic_write_text, pid_alive
+from eagle3.gpu.cleanup import GpuCleanupConfig, cleanup_gpus
 
 GPU_LIMIT = "gpu"
 LEASE_SECONDS = 60  # the server's minimum
@@ -74,7 +73,7 @@ def _note(run_dir: Path, event: str, block: str, **extra: object) -> None:
 
 def _holders() -> Path:
     """Where the runs of this machine note which lease they hold (one file per lease)."""
-    from eagle3.targets import default_cache_dir
+    from eagle3.data.builtin_targets import default_cache_dir
 
     return default_cache_dir() / "gpu-slot"
 

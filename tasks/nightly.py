@@ -10,10 +10,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from eagle3 import draft_stages, incremental, publish
+from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
-from eagle3.publish import GateDecision, PublishConfig, PublishedDraft
-from eagle3.train import TrainConfig
+from eagle3.draft.train import TrainConfig
+from eagle3.ops import incremental, publish
+from eagle3.ops.publish import GateDecision, PublishConfig, PublishedDraft
 from tasks.progress import progress_reporter
 
 GATE_ARTIFACT = "eagle3-nightly-gate"

@@ -23,7 +23,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import task_run as current_task_run
 from prefect.states import State
 
-from eagle3 import vllm_adapter
+from eagle3.capture import vllm_adapter
 
 # Delays before the 1st and 2nd retry: long enough for a driver or a crashed engine to clean up.
 ENGINE_RETRY_DELAYS = [10, 60]

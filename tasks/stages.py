@@ -15,10 +15,10 @@ from prefect.logging import get_run_logger
 
 from eagle3 import stages
 from eagle3.artifacts import StageRecord
-from eagle3.data import DataConfig
-from eagle3.extract import ExtractConfig
-from eagle3.regenerate import RegenerateConfig
-from eagle3.target import TargetConfig
+from eagle3.capture.extract import ExtractConfig
+from eagle3.capture.regenerate import RegenerateConfig
+from eagle3.data.conversations import DataConfig
+from eagle3.data.target import TargetConfig
 from tasks.progress import progress_reporter
 from tasks.retry import ENGINE_RETRY_DELAYS, batch_tokens_for_attempt, retry_transient, transient_failures
 

@@ -23,6 +23,6 @@ def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(builtin_cache: Path) -> Path:
-    from eagle3.target import TargetConfig, resolve_model_dir
+    from eagle3.data.target import TargetConfig, resolve_model_dir
 
     return resolve_model_dir(TargetConfig(model="builtin:tiny"), builtin_cache)

@@ -1,4 +1,5 @@
-"""The dependency direction: deployments -> flows -> tasks -> eagle3, never back."""
+"""The dependency direction: deployments -> flows -> tasks -> eagle3, never back; inside eagle3,
+its rooms in one order (eagle3/__init__.py and the README's Layout say why this order)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"prefect", "tasks", "flows", "deployments"}
+
+# eagle3's rooms, lowest first: a module may import its own room and the rooms before it, never one after.
+EAGLE3_ORDER: list[tuple[str, ...]] = [
+    ("eagle3.artifacts", "eagle3.fingerprint"),
+    ("eagle3.gpu",),
+    ("eagle3.data",),
+    ("eagle3.capture",),
+    ("eagle3.draft",),
+    ("eagle3.config", "eagle3.stages", "eagle3.draft_stages"),
+    ("eagle3.ops",),
+]
 
 
 def _imported_roots(path: Path) -> set[str]:
@@ -21,6 +33,53 @@ def _imported_roots(path: Path) -> set[str]:
     return roots
 
 
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path, root: Path) -> set[str]:
+    """Every eagle3 module `path` imports, at the top or inside a function: `from eagle3.x import y`
+    counts as eagle3.x.y (y may be a module), relative imports are resolved."""
+    here = _module_name(path, root)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m.split(".")[0] == "eagle3"}
+
+
+def _room(module: str) -> int | None:
+    for rank, prefixes in enumerate(EAGLE3_ORDER):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+def upward_imports(root: Path) -> list[str]:
+    """'importer -> imported' for each import of a later room (or of a module in no room)."""
+    bad = []
+    for path in sorted((root / "eagle3").rglob("*.py")):
+        here = _module_name(path, root)
+        mine = _room(here)
+        if mine is None:
+            if here != "eagle3":
+                bad.append(f"{here}: in no room of EAGLE3_ORDER")
+            continue
+        for target in sorted(_imported_modules(path, root)):
+            theirs = _room(target)
+            if target == "eagle3" or theirs is None or theirs > mine:
+                bad.append(f"{here} -> {target}")
+    return bad
+
+
 def test_library_source_never_imports_the_orchestration_layer():
     offenders = {
         str(p.relative_to(ROOT)): sorted(_imported_roots(p) & FORBIDDEN) for p in sorted((ROOT / "eagle3").rglob("*.py"))
@@ -29,8 +88,29 @@ def test_library_source_never_imports_the_orchestration_layer():
     assert offenders == {}, f"eagle3/ must not import {sorted(FORBIDDEN)}: {offenders}"
 
 
+def test_eagle3_rooms_import_one_way_only():
+    assert upward_imports(ROOT) == [], f"imports against the order {EAGLE3_ORDER}"
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    """The check above can fail: a copy of eagle3/ with one deliberate upward import is refused."""
+    copy = tmp_path / "eagle3"
+    for src in (ROOT / "eagle3").rglob("*.py"):
+        dst = copy / src.relative_to(ROOT / "eagle3")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(src.read_text())
+    assert upward_imports(tmp_path) == []
+    target_py = copy / "data" / "target.py"
+    target_py.write_text(target_py.read_text() + "\n\ndef _late():\n    from eagle3.capture.layers import resolve_decoder_stack\n")
+    (copy / "gpu" / "nvml.py").write_text((copy / "gpu" / "nvml.py").read_text() + "\nfrom ..draft import model\n")
+    assert upward_imports(tmp_path) == [
+        "eagle3.data.target -> eagle3.capture.layers.resolve_decoder_stack",
+        "eagle3.gpu.nvml -> eagle3.draft.model",
+    ]
+
+
 def test_importing_every_library_module_loads_no_prefect():
-    modules = sorted(f"eagle3.{p.stem}" for p in (ROOT / "eagle3").glob("*.py") if p.stem != "__init__")
+    modules = sorted(_module_name(p, ROOT) for p in (ROOT / "eagle3").rglob("*.py"))
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'prefect', 'tasks', 'flows'})\nprint(bad)\n"
     )

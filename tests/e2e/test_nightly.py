@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.artifacts import read_complete
-from eagle3.data import DataConfig, load_conversations
-from eagle3.publish import PublishedDraft
+from eagle3.data.conversations import DataConfig, load_conversations
+from eagle3.ops.publish import PublishedDraft
 from tests.e2e.conftest import run_cli
 
 SMALL = ["pipeline.data.max_samples=14", "pipeline.regenerate.max_new_tokens=8", "pipeline.train.steps=6",

@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3.store import Sample, StoreWriter
-from eagle3.target_head import extract_target_head, load_target_head, read_target_config
-from eagle3.vocab import build_mapping, count_tokens, save_mapping
+from eagle3.capture.store import Sample, StoreWriter
+from eagle3.draft.target_head import extract_target_head, load_target_head, read_target_config
+from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
 
 NUM_LAYERS = 8
 HIDDEN = 64
@@ -146,7 +146,7 @@ TRAIN_KW = dict(learning_rate=3e-3, warmup_steps=5, batch_tokens=200, ttt_steps=
 @functools.cache
 def trained_run():
     """A 60-step training run on the tiny world (about 2 s), shared by the tests that need one."""
-    from eagle3.train import TrainConfig, train_draft
+    from eagle3.draft.train import TrainConfig, train_draft
 
     world = tiny_world()
     out = world.root / "trained"

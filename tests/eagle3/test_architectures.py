@@ -28,9 +28,9 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3 import vllm_adapter
-from eagle3.capture import CaptureError, HiddenStateCapture
-from eagle3.layers import resolve_decoder_stack
+from eagle3.capture import vllm_adapter
+from eagle3.capture.hooks import CaptureError, HiddenStateCapture
+from eagle3.capture.layers import resolve_decoder_stack
 from tests.eagle3 import arch_builders
 
 ATOL = 1e-4  # float32 on both sides; measured max abs error <= 1.3e-7 (module docstring)
@@ -160,7 +160,7 @@ def kimi(checkpoints: dict[str, Path]):
 def _kimi_samples(model_dir: Path):  # noqa: ANN202 - list[TokenizedSample]
     from transformers import AutoTokenizer
 
-    from eagle3.data import TokenizedSample
+    from eagle3.data.conversations import TokenizedSample
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     chats = ["hi", "what is a llama?", "2+2", "tell me a story about a cat", "ok", "bye now"]
@@ -183,8 +183,8 @@ def test_kimi_k25_wrapper_resolves_to_its_deepseek_text_model(kimi):
 
 
 def test_kimi_k25_extract_stage_writes_a_store_equal_to_hf(kimi, checkpoints: dict[str, Path], tmp_path: Path):
-    from eagle3.extract import ExtractConfig, extract_store
-    from eagle3.store import StoreReader
+    from eagle3.capture.extract import ExtractConfig, extract_store
+    from eagle3.capture.store import StoreReader
 
     spec, _, reference = kimi
     samples = _kimi_samples(checkpoints["kimi_k25"])

@@ -35,7 +35,7 @@ def test_truncated_or_deleted_file_makes_the_artifact_absent(tmp_path: Path):
 
 def test_the_run_summary_says_how_many_source_rows_were_skipped_and_where_the_list_is(tmp_path):
     from eagle3.artifacts import StageRecord
-    from eagle3.summary import RunSummary, data_report
+    from eagle3.ops.summary import RunSummary, data_report
 
     regen = StageRecord(stage="regenerate", uri=str(tmp_path), fingerprint="r", stats={"skipped": 2})
     prepared = StageRecord(stage="prepare_data", uri=str(tmp_path), fingerprint="p", stats={

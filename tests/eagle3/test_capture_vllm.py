@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3 import vllm_adapter
-from eagle3.capture import CaptureError, HiddenStateCapture
-from eagle3.layers import resolve_decoder_stack
+from eagle3.capture import vllm_adapter
+from eagle3.capture.hooks import CaptureError, HiddenStateCapture
+from eagle3.capture.layers import resolve_decoder_stack
 
 
 @pytest.fixture(scope="module")

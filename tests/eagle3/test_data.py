@@ -6,8 +6,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3.data import (
-    Conversation, DataConfig, DataError, Message, is_heldout, load_conversations, tokenize_conversation,
+from eagle3.data.conversations import (
+    Conversation,
+    DataConfig,
+    DataError,
+    Message,
+    is_heldout,
+    load_conversations,
+    tokenize_conversation,
 )
 
 

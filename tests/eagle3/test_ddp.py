@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.ddp import DistContext, DistError, check_grad_accum
-from eagle3.train import TrainConfig, train_draft
+from eagle3.draft.ddp import DistContext, DistError, check_grad_accum
+from eagle3.draft.train import TrainConfig, train_draft
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,11 +22,11 @@ WORKER = """
 import sys, torch
 from pathlib import Path
 torch.set_num_threads(1)
-from eagle3.train import TrainConfig, train_draft
+from eagle3.draft.train import TrainConfig, train_draft
 store, target, head, vocab, out = map(Path, sys.argv[1:6])
 train_draft(TrainConfig.model_validate_json(sys.argv[6]), store_dir=store, target_dir=target, head_path=head,
             vocab_path=vocab, out_dir=out)
-from eagle3.ddp import context_from_env
+from eagle3.draft.ddp import context_from_env
 import torch.distributed as dist
 ctx = context_from_env()
 print(f"rank {ctx.rank} of {ctx.world_size} backend {dist.get_backend()}", flush=True)

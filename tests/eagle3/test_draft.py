@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft (eagle3.draft) and the target's head (eagle3.target_head).
+"""The EAGLE-3 draft (eagle3.draft.model) and the target's head (eagle3.draft.target_head).
 
 The reference is speculators' own Eagle3DraftModel, whose layer vLLM serves with the same
 residual convention: our TTT unroll must give its logits at every step.
@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3.draft import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
-from eagle3.store import StoreReader
-from eagle3.target_head import TargetHeadError, extract_target_head, load_target_head, read_target_config
-from eagle3.ttt_attention import ttt_attention_mask
-from eagle3.vocab import load_mapping
+from eagle3.capture.store import StoreReader
+from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
+from eagle3.draft.target_head import TargetHeadError, extract_target_head, load_target_head, read_target_config
+from eagle3.draft.ttt_attention import ttt_attention_mask
+from eagle3.draft.vocab import load_mapping
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, one_thread, tiny_head, tiny_llama_config, tiny_world  # noqa: F401
 
 
@@ -223,7 +223,7 @@ def test_target_head_error_names_the_keys_it_looked_for(tmp_path):
 
 def _dense_attention(model, xs, positions, doc_ids):
     """The definition: SDPA over every step's keys under ttt_attention_mask (O(K*L^2) mask)."""
-    from eagle3.draft import rope_cos_sin, rotate_half
+    from eagle3.draft.model import rope_cos_sin, rotate_half
 
     c, attn = model.config, model.layers[0].self_attn
     length, groups = xs[0].shape[0], c.num_attention_heads // c.num_key_value_heads
@@ -260,7 +260,7 @@ def fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
 
 
 def test_doc_layout_gives_every_sample_its_own_sink_row():
-    from eagle3.ttt_attention import DocLayout
+    from eagle3.draft.ttt_attention import DocLayout
 
     layout = DocLayout.build(torch.tensor([0, 0, 0, 1, 1]))
     assert layout.cu.tolist() == [0, 3, 5] and layout.cu_ext.tolist() == [0, 4, 7]
@@ -270,9 +270,9 @@ def test_doc_layout_gives_every_sample_its_own_sink_row():
 
 @pytest.mark.parametrize("documents,layout", [(1, "mask"), (3, "mask"), (3, "varlen (fake kernel)")])
 def test_fast_ttt_attention_equals_the_dense_mask_definition_with_gradients(documents, layout, monkeypatch):
-    import eagle3.ttt_attention
-    from eagle3.draft import rope_cos_sin
-    from eagle3.ttt_attention import DocLayout, TTTCache, sink_block_mask
+    import eagle3.draft.ttt_attention
+    from eagle3.draft.model import rope_cos_sin
+    from eagle3.draft.ttt_attention import DocLayout, TTTCache, sink_block_mask
 
     model, _, config = _random_draft(2)
     length = 40
@@ -283,7 +283,7 @@ def test_fast_ttt_attention_equals_the_dense_mask_definition_with_gradients(docu
     if layout == "mask":
         cache = TTTCache(mask=sink_block_mask(None if documents == 1 else doc_ids, length, torch.device("cpu")))
     else:
-        monkeypatch.setattr(eagle3.ttt_attention, "_VARLEN", (fake_varlen_attn, {"window_size": (-1, 0)}, True))
+        monkeypatch.setattr(eagle3.draft.ttt_attention, "_VARLEN", (fake_varlen_attn, {"window_size": (-1, 0)}, True))
         cache = TTTCache(mask=None, docs=DocLayout.build(doc_ids))
     fast = []
     for step, x in enumerate(xs):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.draft import DraftConfig, Eagle3Draft, init_draft
-from eagle3.evaluate import accepted_counts, served_walk, simulate_acceptance
-from eagle3.export import export_draft
-from eagle3.store import Sample, StoreWriter
-from eagle3.target_head import TargetHead, read_target_config
-from eagle3.vocab import VocabMapping, load_mapping
+from eagle3.capture.store import Sample, StoreWriter
+from eagle3.draft.evaluate import accepted_counts, served_walk, simulate_acceptance
+from eagle3.draft.export import export_draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
+from eagle3.draft.target_head import TargetHead, read_target_config
+from eagle3.draft.vocab import VocabMapping, load_mapping
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, one_thread, tiny_head, tiny_world, trained_run  # noqa: F401
 
 H = 64
@@ -104,7 +104,7 @@ def test_a_trained_draft_is_accepted_more_than_an_untrained_one(tmp_path):
 def test_plots_are_written_as_png_and_refuse_an_empty_log(tmp_path):
     import pytest
 
-    from eagle3.plots import plot_acceptance, plot_training_loss
+    from eagle3.draft.plots import plot_acceptance, plot_training_loss
 
     entries = [{"step": s, "loss": 2.0 / s, "loss_per_ttt_step": [1.5 / s, 2.0 / s, 2.5 / s]} for s in range(1, 21)]
     evals = [{"step": 10, "acceptance_length": 1.4}, {"step": 20, "acceptance_length": 1.6}]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3.checkpoint import load_checkpoint
-from eagle3.export import ExportError, export_draft, load_exported_draft
-from eagle3.vocab import build_mapping, load_mapping, save_mapping
+from eagle3.draft.checkpoint import load_checkpoint
+from eagle3.draft.export import ExportError, export_draft, load_exported_draft
+from eagle3.draft.vocab import build_mapping, load_mapping, save_mapping
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, one_thread, tiny_world, trained_run  # noqa: F401
 
 
@@ -97,7 +97,7 @@ def test_mismatched_aux_ids_or_vocab_are_refused(tmp_path):
 
 def test_a_draft_over_the_whole_vocabulary_is_exported_without_a_mapping(tmp_path):
     """vLLM has no d2t parameter when the draft vocabulary is the target's, and refuses one."""
-    from eagle3.train import TrainConfig, train_draft
+    from eagle3.draft.train import TrainConfig, train_draft
     from tests.eagle3.draft_fixtures import TRAIN_KW, VOCAB
 
     world = tiny_world()
@@ -118,9 +118,9 @@ def test_the_train_stage_names_its_best_checkpoint_and_the_export_takes_it(tmp_p
     import shutil
 
     from eagle3.artifacts import StageRecord
+    from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
+    from eagle3.draft.train import TrainConfig
     from eagle3.draft_stages import VOCAB_FILE, fingerprint_export, run_export, run_train
-    from eagle3.target import HEAD_FILE, INFO_FILE, TargetInfo
-    from eagle3.train import TrainConfig
     from tests.eagle3.draft_fixtures import NUM_LAYERS, TRAIN_KW, VOCAB
 
     world = tiny_world()

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3.data import TokenizedSample
-from eagle3.extract import ExtractConfig, ExtractInputError, extract_store
-from eagle3.layers import DecoderStackNotFound
-from eagle3.store import StoreReader
+from eagle3.capture.extract import ExtractConfig, ExtractInputError, extract_store
+from eagle3.capture.layers import DecoderStackNotFound
+from eagle3.capture.store import StoreReader
+from eagle3.data.conversations import TokenizedSample
 
 AUX, N, H = [2, 4, 5], 8, 64
 
@@ -63,11 +63,11 @@ def test_a_sample_too_long_is_rejected_naming_it_and_the_setting(tmp_path):
 
 
 def test_a_sample_too_long_is_truncated_with_a_warning_when_asked(tiny_target, tmp_path, caplog):
-    from eagle3.hf_source import load_hf_target
+    from eagle3.capture.hf_source import load_hf_target
 
     model = load_hf_target(str(tiny_target), dtype="float32", device="cpu")
     samples = _samples(15, 40, 3)
-    with caplog.at_level(logging.WARNING, logger="eagle3.extract"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.capture.extract"):
         stats = _extract(samples, tmp_path, get_engine=lambda: model, too_long="truncate", max_model_len=16)
     assert "samples ['s1'] are longer than 15 tokens" in caplog.text and "truncated" in caplog.text
     assert stats.tokens == 15 + 15 + 3
@@ -87,17 +87,17 @@ def test_a_model_without_a_decoder_stack_reaches_the_caller_naming_the_paths(tmp
 
 
 def test_the_extract_stage_checks_lengths_against_the_targets_max_model_len(tiny_target, builtin_cache, tmp_path):
-    from eagle3 import data
     from eagle3.artifacts import StageRecord
+    from eagle3.data import conversations
+    from eagle3.data.target import TargetConfig
     from eagle3.stages import run_extract, run_stage_target
-    from eagle3.target import TargetConfig
 
     target_config = TargetConfig(model="builtin:tiny", dtype="float32", max_model_len=16)
     target = run_stage_target(target_config, builtin_cache, tmp_path / "artifacts", "t")
     prepared = tmp_path / "prepared"
     prepared.mkdir()
-    data.write_samples(prepared / "train.jsonl", _samples(5, 20))
-    data.write_samples(prepared / "heldout.jsonl", _samples(4))
+    conversations.write_samples(prepared / "train.jsonl", _samples(5, 20))
+    conversations.write_samples(prepared / "heldout.jsonl", _samples(4))
     record = StageRecord(stage="prepare_data", uri=str(prepared), fingerprint="p")
     with pytest.raises(ExtractInputError, match=r"samples \['s1'\] are longer than 15 tokens \(target\.max_model_len=16"):
         run_extract(ExtractConfig(), target_config, record, target, tmp_path / "artifacts", "x", tmp_path / "loads.jsonl")

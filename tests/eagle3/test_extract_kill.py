@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import vllm_adapter
-from eagle3.data import TokenizedSample
-from eagle3.extract import ExtractConfig, extract_store
-from eagle3.store import MANIFEST, StoreReader
+from eagle3.capture import vllm_adapter
+from eagle3.capture.extract import ExtractConfig, extract_store
+from eagle3.capture.store import MANIFEST, StoreReader
+from eagle3.data.conversations import TokenizedSample
 
 ROOT = Path(__file__).resolve().parents[2]
 AUX, N, H = [2, 4, 5], 8, 64  # the 8-layer tiny target
@@ -30,8 +30,8 @@ CONFIG = ExtractConfig(samples_per_shard=2, batch_tokens=1, storage_dtype="float
 CHILD = """
 import sys, time, torch
 from pathlib import Path
-from eagle3 import vllm_adapter
-from eagle3.extract import ExtractConfig, extract_store
+from eagle3.capture import vllm_adapter
+from eagle3.capture.extract import ExtractConfig, extract_store
 from tests.eagle3.test_extract_kill import AUX, H, N, samples, spec
 target, store, pause = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
 config = ExtractConfig.model_validate_json(sys.argv[4])

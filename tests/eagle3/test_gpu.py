@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from eagle3.gpu import (
+from eagle3.gpu.cleanup import (
     OWN_PROCESSES_FILE,
     GpuBusyError,
     GpuCleanupConfig,
@@ -34,7 +34,7 @@ from eagle3.gpu import (
     format_report_table,
     register_own_process,
 )
-from eagle3.gpu_nvml import (
+from eagle3.gpu.nvml import (
     MIB,
     DeviceMemory,
     NvmlProcess,
@@ -290,8 +290,8 @@ def test_dry_run_kills_nothing_and_says_what_it_would_do(spawn, devices, tmp_pat
 RUNNER = r"""
 import json, sys
 from pathlib import Path
-from eagle3.gpu import GpuCleanupConfig, cleanup_gpus
-from eagle3.gpu_nvml import DeviceMemory
+from eagle3.gpu.cleanup import GpuCleanupConfig, cleanup_gpus
+from eagle3.gpu.nvml import DeviceMemory
 
 class NoGpuNvmlFake:  # FAKE: a driver with no GPU, so real GPUs play no part
     def device_count(self): return 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.gpu_nvml import MIB, DeviceMemory, InsufficientGpuMemoryError, preflight, required_bytes_per_gpu
+from eagle3.gpu.nvml import MIB, DeviceMemory, InsufficientGpuMemoryError, preflight, required_bytes_per_gpu
 from tests.eagle3.test_gpu import FakeNvml
 
 
@@ -54,7 +54,7 @@ def _checkpoint(folder: Path, gib: int) -> Path:
 
 
 def test_target_preflight_names_the_short_gpu_and_the_settings_to_change(tmp_path, monkeypatch):
-    from eagle3.gpu_preflight import target_preflight
+    from eagle3.gpu.preflight import target_preflight
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     model = _checkpoint(tmp_path / "target", gib=40)  # TP 2: 20 GiB of weights per GPU, + 5 GiB of KV cache
@@ -77,7 +77,7 @@ def test_target_preflight_names_the_short_gpu_and_the_settings_to_change(tmp_pat
 
 @pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="this machine has an NVIDIA driver")
 def test_target_preflight_without_a_driver_says_so_and_lets_the_cpu_build_run(tmp_path):
-    from eagle3.gpu_preflight import target_preflight
+    from eagle3.gpu.preflight import target_preflight
 
     report = target_preflight(_checkpoint(tmp_path / "target", gib=1), 1, 1.0)
     assert report["checked"] is False and "NVIDIA" in str(report["reason"]) and report["need_mib"] == 2048

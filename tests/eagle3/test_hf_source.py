@@ -7,13 +7,13 @@ import threading
 import pytest
 import torch
 
-from eagle3 import vllm_adapter
-from eagle3.capture import CaptureError
-from eagle3.data import TokenizedSample
-from eagle3.extract import ExtractConfig, HostStager, ShardWriterPool, _ShardJob, extract_store
-from eagle3.hf_source import HFSource, load_hf_target
-from eagle3.source import HiddenStateSource, VllmSource, open_source
-from eagle3.store import StoreError, StoreReader, StoreWriter
+from eagle3.capture import vllm_adapter
+from eagle3.capture.extract import ExtractConfig, HostStager, ShardWriterPool, _ShardJob, extract_store
+from eagle3.capture.hf_source import HFSource, load_hf_target
+from eagle3.capture.hooks import CaptureError
+from eagle3.capture.source import HiddenStateSource, VllmSource, open_source
+from eagle3.capture.store import StoreError, StoreReader, StoreWriter
+from eagle3.data.conversations import TokenizedSample
 
 IDS = [2, 4, 5, 8]  # aux ids of the 8-layer tiny target + the final state (id N)
 H = 64

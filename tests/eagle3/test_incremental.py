@@ -1,4 +1,4 @@
-"""Dated incoming files and the assembly of per-file artifacts (eagle3.incremental)."""
+"""Dated incoming files and the assembly of per-file artifacts (eagle3.ops.incremental)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from eagle3.artifacts import StageRecord, read_complete
-from eagle3.data import DataError, TokenizedSample, read_samples, write_samples
-from eagle3.incremental import discover, fingerprint_assemble, run_assemble
-from eagle3.store import MANIFEST, Sample, StoreReader, StoreWriter
+from eagle3.capture.store import MANIFEST, Sample, StoreReader, StoreWriter
+from eagle3.data.conversations import DataError, TokenizedSample, read_samples, write_samples
+from eagle3.ops.incremental import discover, fingerprint_assemble, run_assemble
 
 
 def _touch(folder: Path, *names: str) -> None:

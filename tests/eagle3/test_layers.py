@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3.layers import DecoderStackNotFound, check_aux_layer_ids, default_aux_layer_ids, resolve_decoder_stack
+from eagle3.capture.layers import DecoderStackNotFound, resolve_decoder_stack
+from eagle3.data.target import check_aux_layer_ids, default_aux_layer_ids
 
 
 class _Inner(nn.Module):

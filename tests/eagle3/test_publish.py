@@ -1,4 +1,4 @@
-"""The draft registry and the promotion gate (eagle3.publish), on real folders and fsspec's memory file system."""
+"""The draft registry and the promotion gate (eagle3.ops.publish), on real folders and fsspec's memory file system."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import fsspec
 import pytest
 
 from eagle3.artifacts import read_complete
-from eagle3.publish import (
+from eagle3.ops.publish import (
     CURRENT_LINK,
     PublishedDraft,
     RegistryError,

@@ -8,12 +8,12 @@ import shutil
 import pytest
 
 from eagle3.artifacts import StageRecord
+from eagle3.capture.vllm_adapter import GreedyOutput, SpecDecodeCounters
+from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
+from eagle3.draft.evaluate import EvalConfig
+from eagle3.draft.export import export_draft
+from eagle3.draft.served_eval import build_report, first_divergence, heldout_prompts
 from eagle3.draft_stages import fingerprint_evaluate, run_evaluate
-from eagle3.evaluate import EvalConfig
-from eagle3.export import export_draft
-from eagle3.served_eval import build_report, first_divergence, heldout_prompts
-from eagle3.target import HEAD_FILE, INFO_FILE, TargetInfo
-from eagle3.vllm_adapter import GreedyOutput, SpecDecodeCounters
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, NUM_LAYERS, VOCAB, one_thread, tiny_world, trained_run  # noqa: F401
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.store import MANIFEST, Sample, StoreError, StoreReader, StoreWriter, is_complete
+from eagle3.capture.store import MANIFEST, Sample, StoreError, StoreReader, StoreWriter, is_complete
 
 
 def _samples(ids: list[str], h: int = 8, n_aux: int = 3) -> list[Sample]:

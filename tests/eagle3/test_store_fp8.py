@@ -9,8 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.store import (
-    FP8, FP8_MAX, MANIFEST, SCALES, Sample, StoreError, StoreReader, StoreWriter, dequantize_fp8, encode_states, quantize_fp8,
+from eagle3.capture.store import (
+    FP8,
+    FP8_MAX,
+    MANIFEST,
+    SCALES,
+    Sample,
+    StoreError,
+    StoreReader,
+    StoreWriter,
+    dequantize_fp8,
+    encode_states,
+    quantize_fp8,
 )
 
 # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most half a step, 2^-4 of it.

@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.targets import (
+from eagle3.data.builtin_targets import (
     MARKER,
     TargetError,
     build_tiny_target,
     content_fingerprint,
     ensure_smollm2,
 )
-from eagle3.tokenizer_build import CHATML_TEMPLATE
+from eagle3.data.tokenizer_build import CHATML_TEMPLATE
 
 CHAT = [{"role": "user", "content": "Hello, how are you?"}]
 

@@ -1,7 +1,7 @@
 """Tensor parallelism, what the CPU can show: only TP rank 0 copies rows; the rank comes from vLLM / torch.distributed.
 
 Not covered (no multi-process TP here): shipping rank 0's rows from vLLM's worker processes to
-the driver, which is not implemented (eagle3.capture's docstring has the design); engines with
+the driver, which is not implemented (eagle3.capture.hooks's docstring has the design); engines with
 tensor_parallel_size > 1 are refused instead, and that refusal is tested.
 """
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from eagle3 import vllm_adapter
-from eagle3.capture import HiddenStateCapture, tensor_parallel_rank
-from eagle3.layers import resolve_decoder_stack
-from eagle3.source import VllmSource
+from eagle3.capture import vllm_adapter
+from eagle3.capture.hooks import HiddenStateCapture, tensor_parallel_rank
+from eagle3.capture.layers import resolve_decoder_stack
+from eagle3.capture.source import VllmSource
 
 IDS, H = [2, 8], 64
 PROMPTS = [[10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]

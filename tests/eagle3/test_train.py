@@ -11,10 +11,10 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from eagle3.batches import next_batch_indices
-from eagle3.checkpoint import list_checkpoints, load_checkpoint
-from eagle3.store import StoreReader
-from eagle3.train import TrainConfig, TrainError, lr_at, train_draft
+from eagle3.capture.store import StoreReader
+from eagle3.draft.batches import next_batch_indices
+from eagle3.draft.checkpoint import list_checkpoints, load_checkpoint
+from eagle3.draft.train import TrainConfig, TrainError, lr_at, train_draft
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world, trained_run  # noqa: F401
 
 
@@ -71,7 +71,7 @@ def test_a_truncated_latest_checkpoint_is_skipped_with_a_warning(tmp_path, caplo
     newest.write_bytes(newest.read_bytes()[:100])  # a crash that cut the file
     with open(tmp_path / "run" / "losses.jsonl", "a") as log_file:
         log_file.write('{"step": 9, "lo')  # ... and the loss log in the middle of a line
-    with caplog.at_level(logging.WARNING, logger="eagle3.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.draft.checkpoint"):
         resumed = _train(tmp_path / "run")
     assert "step-000008" in caplog.text
     assert resumed.resumed_from_step == 4
@@ -138,7 +138,7 @@ def test_every_checkpoint_is_scored_on_held_out_data_and_the_best_survives_pruni
 
 
 def test_a_best_checkpoint_older_than_the_last_two_is_kept(tmp_path):
-    from eagle3.checkpoint import save_checkpoint
+    from eagle3.draft.checkpoint import save_checkpoint
 
     root = tmp_path / "checkpoints"
     weights = {"w": torch.zeros(2)}
@@ -148,7 +148,7 @@ def test_a_best_checkpoint_older_than_the_last_two_is_kept(tmp_path):
 
 
 def test_best_eval_prefers_the_later_checkpoint_on_a_tie():
-    from eagle3.train import best_eval
+    from eagle3.draft.train import best_eval
 
     evals = [{"step": 4, "acceptance_length": 1.5}, {"step": 8, "acceptance_length": 1.7},
              {"step": 12, "acceptance_length": 1.7}, {"step": 16, "acceptance_length": 1.6}]
@@ -169,7 +169,7 @@ def test_resume_keeps_the_held_out_scores_and_scores_what_is_missing(tmp_path):
 
 
 def test_fused_and_plain_kl_equal_the_definition_with_gradients():
-    from eagle3.loss import fused_kl_loss, kl_loss, plain_kl_loss
+    from eagle3.draft.loss import fused_kl_loss, kl_loss, plain_kl_loss
 
     generator = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(7, 50, generator=generator)).requires_grad_(True)
@@ -220,11 +220,11 @@ def test_a_compiler_that_fails_names_the_setting_to_train_eagerly(tmp_path, monk
 def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
     """The loss reads row r's target at r+1+j as a slice; it equals the explicit gather of
     ttt_alignment's target positions, on a batch of several packed samples."""
-    from eagle3.batches import pack
-    from eagle3.draft import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
-    from eagle3.loss import batch_loss, kl_loss
-    from eagle3.target_head import read_target_config, target_logits
-    from eagle3.vocab import load_mapping
+    from eagle3.draft.batches import pack
+    from eagle3.draft.loss import batch_loss, kl_loss
+    from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
+    from eagle3.draft.target_head import read_target_config, target_logits
+    from eagle3.draft.vocab import load_mapping
     from tests.eagle3.draft_fixtures import tiny_head
 
     world, head = tiny_world(), tiny_head()
@@ -248,8 +248,8 @@ def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_batches_read_straight_from_the_shards_equal_the_store_readers(tmp_path, dtype):
-    from eagle3.batches import pack, read_batch
-    from eagle3.store import StoreWriter
+    from eagle3.capture.store import StoreWriter
+    from eagle3.draft.batches import pack, read_batch
 
     world = tiny_world()
     source = StoreReader(world.train_store)

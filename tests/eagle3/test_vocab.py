@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from eagle3.vocab import (
+from eagle3.draft.vocab import (
     VocabConfig,
     VocabError,
     build_mapping,

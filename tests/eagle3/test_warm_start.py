@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.checkpoint import checkpoint_name
-from eagle3.export import export_draft, load_exported_draft
-from eagle3.train import CHECKPOINTS, TrainConfig, TrainError, train_draft
-from eagle3.vocab import build_mapping, save_mapping
+from eagle3.draft.checkpoint import checkpoint_name
+from eagle3.draft.export import export_draft, load_exported_draft
+from eagle3.draft.train import CHECKPOINTS, TrainConfig, TrainError, train_draft
+from eagle3.draft.vocab import build_mapping, save_mapping
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, DRAFT_VOCAB, TRAIN_KW, VOCAB, one_thread, tiny_world, trained_run  # noqa: F401
 
 
@@ -78,7 +78,7 @@ def test_a_folder_that_is_not_an_export_is_refused_by_name(tmp_path):
 
 # -- bf16 weights with an fp32 master copy (param_dtype=bfloat16; the default on GPUs) ------
 def test_bf16_weights_keep_an_fp32_master_that_checkpoints_hold_and_resume_from(tmp_path):
-    from eagle3.checkpoint import load_checkpoint
+    from eagle3.draft.checkpoint import load_checkpoint
 
     world = tiny_world()
     mixed = TrainConfig(steps=12, checkpoint_every=6, dtype="bfloat16", param_dtype="bfloat16",

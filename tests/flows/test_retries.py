@@ -10,8 +10,8 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from eagle3.config import ConfigError, build_config
-from eagle3.data import DataError
-from eagle3.target import TargetConfigError
+from eagle3.data.conversations import DataError
+from eagle3.data.target import TargetConfigError
 from tasks import stages as data_tasks
 from tasks.retry import batch_tokens_for_attempt, is_transient, retry_transient, transient_failures
 

@@ -19,10 +19,10 @@ from unittest import mock
 
 import torch
 
-from eagle3 import checkpoint as ckpt
-from eagle3 import store as store_mod
-from eagle3.checkpoint import CheckpointError, latest_valid_checkpoint, save_checkpoint
-from eagle3.store import MANIFEST, Sample, StoreError, StoreReader, StoreWriter
+from eagle3.capture import store as store_mod
+from eagle3.capture.store import MANIFEST, Sample, StoreError, StoreReader, StoreWriter
+from eagle3.draft import checkpoint as ckpt
+from eagle3.draft.checkpoint import CheckpointError, latest_valid_checkpoint, save_checkpoint
 
 AUX, H = [1, 2, 3], 64
 SHARD_BYTES = 4 * 32 * 4 * H * 4  # 4 samples x 32 tokens x 4 states x H x float32, about 128 KiB a shard
@@ -33,7 +33,7 @@ def small_disk(path: Path, size_kib: int) -> Iterator[tuple[str, callable]]:
     """A `size_kib` filesystem at `path`; yields (kind, grow) where grow() gives it room again.
 
     kind is "tmpfs" (a real filesystem that runs out of space) or "fake ENOSPC" (a wrapper
-    around Python's open() in eagle3.store and eagle3.checkpoint, whose writes go through it).
+    around Python's open() in eagle3.capture.store and eagle3.draft.checkpoint, whose writes go through it).
     """
     path.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
@@ -164,11 +164,11 @@ class World:
 
     def __init__(self, root: Path, cache: Path, source: str | None = None) -> None:
         from eagle3 import draft_stages, stages
-        from eagle3.data import DataConfig
-        from eagle3.extract import ExtractConfig
-        from eagle3.regenerate import RegenerateConfig
-        from eagle3.target import TargetConfig
-        from eagle3.vocab import VocabConfig
+        from eagle3.capture.extract import ExtractConfig
+        from eagle3.capture.regenerate import RegenerateConfig
+        from eagle3.data.conversations import DataConfig
+        from eagle3.data.target import TargetConfig
+        from eagle3.draft.vocab import VocabConfig
 
         self.stages, self.draft_stages, self.root = stages, draft_stages, root
         self.target_config = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32")
@@ -191,7 +191,7 @@ class World:
                                        self.root / "loads.jsonl")
 
     def train(self, seed: int, steps: int = 6):  # noqa: ANN201 - a StageRecord
-        from eagle3.train import TrainConfig
+        from eagle3.draft.train import TrainConfig
 
         config = TrainConfig(steps=steps, checkpoint_every=3, batch_tokens=256, warmup_steps=1, seed=seed)
         fp = self.draft_stages.fingerprint_train(config, self.extracted, self.vocab, self.target)
@@ -292,7 +292,7 @@ def bad_rows(work: Path, seed: int) -> list[str]:
     import json
     import random
 
-    from eagle3.data import DataConfig, DataError, load_source
+    from eagle3.data.conversations import DataConfig, DataError, load_source
 
     rng = random.Random(seed)
     good = [json.dumps({"id": f"g{i}", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
@@ -343,7 +343,7 @@ def bad_settings() -> list[str]:
 
 def run_all(work: Path, cache: Path, repeat: int) -> list[tuple[str, int, str]]:
     """Every in-process scenario `repeat` times: (fault, tried, what was lost or 'nothing')."""
-    from eagle3 import vllm_adapter
+    from eagle3.capture import vllm_adapter
 
     results: dict[str, list[list[str]]] = {}
 

@@ -32,9 +32,9 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.artifacts import read_complete
-from eagle3.checkpoint import list_checkpoints, load_checkpoint
-from eagle3.data import read_samples
-from eagle3.store import MANIFEST, StoreReader
+from eagle3.capture.store import MANIFEST, StoreReader
+from eagle3.data.conversations import read_samples
+from eagle3.draft.checkpoint import list_checkpoints, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 # Printed stage lines in flow order (gpu_cleanup runs twice); "startup" = before the first line.

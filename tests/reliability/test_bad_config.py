@@ -7,7 +7,7 @@ import pytest
 
 from eagle3 import stages
 from eagle3.config import ConfigError, build_config, check_against_target
-from eagle3.target import TargetConfig, TargetInfo
+from eagle3.data.target import TargetConfig, TargetInfo
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from eagle3 import stages
-from eagle3.data import DataConfig, DataError
-from eagle3.regenerate import RegenerateConfig
-from eagle3.target import TargetConfig
+from eagle3.capture.regenerate import RegenerateConfig
+from eagle3.data.conversations import DataConfig, DataError
+from eagle3.data.target import TargetConfig
 
 NO_REGEN = RegenerateConfig(enabled=False)
 TARGET = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32")

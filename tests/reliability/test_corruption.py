@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3 import vllm_adapter
+from eagle3.capture import vllm_adapter
 from tests.reliability import faults
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import vllm_adapter
-from eagle3.checkpoint import STATE, CheckpointError, load_checkpoint, save_checkpoint
-from eagle3.store import MANIFEST, StoreError, StoreReader, StoreWriter
-from eagle3.target import TargetConfig
+from eagle3.capture import vllm_adapter
+from eagle3.capture.store import MANIFEST, StoreError, StoreReader, StoreWriter
+from eagle3.data.target import TargetConfig
+from eagle3.draft.checkpoint import STATE, CheckpointError, load_checkpoint, save_checkpoint
 from tests.reliability import faults
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,7 +139,7 @@ def test_every_server_the_project_starts_binds_loopback():
 def test_a_registry_draft_id_cannot_name_a_path():
     from pydantic import ValidationError
 
-    from eagle3.publish import PublishedDraft
+    from eagle3.ops.publish import PublishedDraft
 
     fields = {"acceptance_length": 1.5, "heldout_samples": 1, "train_samples": 1, "train_tokens": 1,
               "export_fingerprint": "f", "code_version": "v", "created_at": "t"}

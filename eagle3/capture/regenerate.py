@@ -1,0 +1,69 @@
+"""The regenerate stage: the target answers the prompts, so the draft learns its own target.
+
+Each conversation keeps its turns up to (not including) the first assistant turn; the
+target writes that assistant turn (greedy when temperature is 0, sampled otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.capture import vllm_adapter
+from eagle3.data.conversations import Conversation, Message, _template_ids
+
+
+class RegenerateConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="Let the target write the answers (off: train on the dataset's own answers)")
+    max_new_tokens: int = Field(default=128, ge=1, description="Longest answer the target writes")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 = greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (ignored when greedy)")
+    seed: int = Field(default=0, description="Sampling seed")
+
+
+@dataclass(frozen=True)
+class RegenerateResult:
+    conversations: list[Conversation]
+    skipped_too_long: int
+    generated_tokens: int
+
+
+def regenerate(
+    conversations: Sequence[Conversation],
+    tokenizer,  # noqa: ANN001 - a transformers tokenizer with a chat template
+    get_engine: Callable[[], object],
+    config: RegenerateConfig,
+    max_model_len: int,
+) -> RegenerateResult:
+    prompts: list[tuple[Conversation, tuple[Message, ...], list[int]]] = []
+    skipped = 0
+    for conv in conversations:
+        first_answer = next((i for i, m in enumerate(conv.messages) if m.role == "assistant"), len(conv.messages))
+        head = conv.messages[:first_answer]
+        if not any(m.role == "user" for m in head):
+            skipped += 1
+            continue
+        ids = _template_ids(tokenizer, head, add_generation_prompt=True)
+        if len(ids) + config.max_new_tokens > max_model_len:
+            skipped += 1
+            continue
+        prompts.append((conv, head, ids))
+    if not prompts:
+        return RegenerateResult([], skipped, 0)
+    outputs = vllm_adapter.generate(
+        get_engine(),
+        [ids for _, _, ids in prompts],
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=config.seed,
+    )
+    out = []
+    for (conv, head, _), tokens in zip(prompts, outputs):
+        text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        out.append(Conversation(conv.id, head + (Message("assistant", text),)))
+    return RegenerateResult(out, skipped, sum(len(t) for t in outputs))

@@ -1,0 +1,102 @@
+"""Where hidden states come from: the `HiddenStateSource` interface and its backends.
+
+A source runs prefill-only passes of the target over token-id prompts and returns, per
+prompt, the states at the requested layer ids (vLLM's convention, eagle3.capture.layers): a tensor
+[T, len(layer_ids), H], rows in token order, on whatever device the backend keeps them.
+
+- `VllmSource`: in-process vLLM with a patched inner forward (eagle3.capture.hooks); the production path.
+- `HFSource` (eagle3.capture.hf_source): transformers with forward hooks; reference, small targets, benchmark.
+
+`open_source` picks one from `extract.backend` and the engine object the caller loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Backend = Literal["vllm", "hf"]
+
+
+@runtime_checkable
+class HiddenStateSource(Protocol):
+    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Per prompt, in prompt order: states [T_i, len(layer_ids), H]."""
+        ...
+
+    def close(self) -> None:
+        """Undo whatever the source installed on the engine (patches, hooks)."""
+        ...
+
+
+class VllmSource:
+    """vLLM in-process engine + patched-forward capture. States come back on the CPU, float32."""
+
+    def __init__(self, llm: object, hidden_size: int) -> None:
+        from eagle3.capture import vllm_adapter
+        from eagle3.capture.layers import resolve_decoder_stack
+
+        _refuse_multiprocess_tp(llm)
+        self._llm = llm
+        self._hidden_size = hidden_size
+        self._stack = resolve_decoder_stack(vllm_adapter.torch_module(llm))
+        self._capture = None  # HiddenStateCapture, installed for the layer ids last asked for
+
+    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[torch.Tensor]:
+        from eagle3.capture import vllm_adapter
+        from eagle3.capture.hooks import HiddenStateCapture
+
+        if self._capture is None or self._capture.layer_ids != list(layer_ids):
+            self.close()
+            # the engine's own row map when its runner exposes one (works when a multimodal
+            # wrapper feeds embeddings instead of ids); else rows are matched by (position, token)
+            try:
+                rows = vllm_adapter.row_source(self._llm)
+            except vllm_adapter.VllmUnsupported:
+                rows = None
+            self._capture = HiddenStateCapture(self._stack, layer_ids, row_source=rows)
+            self._capture.install()
+        with self._capture.collecting(prompts, self._hidden_size) as states:
+            vllm_adapter.prefill(self._llm, prompts)
+        return states
+
+    def close(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
+
+
+def _refuse_multiprocess_tp(llm: object) -> None:
+    """TP > 1 puts the model in worker processes, which this source cannot reach yet (eagle3.capture.hooks: tensor parallelism).
+
+    Reads the engine's parallel config: vLLM-specific, so it should move into eagle3.capture.vllm_adapter.
+    """
+    from eagle3.capture.vllm_adapter import VllmUnsupported
+
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    size = int(getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1))
+    if size > 1:
+        raise VllmUnsupported(
+            f"extraction with target.tensor_parallel_size={size} is not implemented yet: the model runs in {size} worker "
+            "processes and the capture ships no rows back from them (design in eagle3.capture.hooks); "
+            "set target.tensor_parallel_size=1, or extract.backend='hf' for targets that fit one device"
+        )
+
+
+def open_source(backend: Backend, engine: object, *, hidden_size: int, batch_tokens: int) -> HiddenStateSource:
+    """The source for `backend` over `engine` (a vllm.LLM for "vllm", a transformers model for "hf")."""
+    if backend == "vllm":
+        return VllmSource(engine, hidden_size)
+    if backend == "hf":
+        if not isinstance(engine, nn.Module):
+            raise TypeError(
+                f"extract.backend='hf' needs a transformers model (torch nn.Module), got {type(engine).__name__}; "
+                "load the target with eagle3.capture.hf_source.load_hf_target, or set extract.backend='vllm'"
+            )
+        from eagle3.capture.hf_source import HFSource
+
+        return HFSource(engine, batch_tokens=batch_tokens)
+    raise ValueError(f"extract.backend={backend!r}; expected 'vllm' or 'hf'")

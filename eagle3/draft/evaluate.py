@@ -1,0 +1,191 @@
+"""Simulated acceptance: how many draft tokens the target would accept, on held-out states.
+
+For every held-out row t where the target has just produced an assistant token x_{t+1}
+(loss_mask[t+1]) and k more positions exist, the draft drafts k tokens as vLLM does
+after row t: step j reads x_{t+1+j} (teacher forcing: the data is the target's own greedy
+output) and proposes d_j = d2t-mapped argmax of its logits. The target accepts d_0, d_1,
+... while d_j equals its greedy token at t+1+j, i.e. argmax over the FULL target vocabulary
+of lm_head(norm(final state at t+1+j)).
+
+    acceptance length = 1 + mean accepted per draft   (the bonus token counts 1)
+    per_position[j]   = share of drafts with more than j tokens accepted
+
+This is the number vLLM's spec-decode counters give (1 + accepted / drafts) when the
+draft is served, up to numeric near-ties between the two implementations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.capture.store import Sample, StoreReader
+from eagle3.draft.export import load_exported_draft
+from eagle3.draft.model import Eagle3Draft, ttt_alignment
+from eagle3.draft.target_head import TargetHead, target_logits
+from eagle3.draft.vocab import VocabMapping
+
+
+class EvalConfig(BaseModel):
+    """Settings of the evaluate stage."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_draft_tokens: int = Field(
+        default=3, ge=1, description="Draft tokens per draft (k), as vLLM's num_speculative_tokens."
+    )
+    served: bool = Field(
+        default=True, description="Also serve the target with the draft in vLLM (speculative decoding) on held-out "
+        "prompts and read vLLM's own acceptance counters (eagle3.draft.served_eval); two target loads."
+    )
+    served_max_prompts: int = Field(default=64, ge=1, description="Held-out prompts the served evaluation generates from.")
+    served_max_new_tokens: int = Field(default=64, ge=1, description="Greedy tokens generated per prompt when served.")
+    served_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Dtype vLLM serves the target in ('auto': the checkpoint's)."
+    )
+    served_kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget of the served engines (GiB).")
+    near_tie_logprob_gap: float = Field(
+        default=0.25, ge=0, description="A greedy output that differs from the run without speculation counts as a "
+        "near-tie when the draft run's token is the runner-up, within this many nats of the top token, at the first "
+        "difference (bf16 logits between 16 and 32 are 0.125 apart: 0.25 is two bf16 steps)."
+    )
+
+
+@dataclass(frozen=True)
+class AcceptanceReport:
+    """Acceptance over every eligible held-out row, and over the rows a served run would visit."""
+
+    acceptance_length: float  # 1 + mean accepted per draft, one draft per eligible row
+    per_position: list[float]  # [j]: share of drafts with more than j tokens accepted
+    num_drafts: int
+    # The same drafts, but only at the rows a served greedy run drafts at (after a draft at
+    # row t with a tokens accepted, the next one is at row t+a+1): what vLLM's counters show.
+    served_acceptance_length: float = 1.0
+    served_num_drafts: int = 0
+
+    def to_markdown(self) -> str:
+        positions = range(1, len(self.per_position) + 1)
+        header = "| draft position | " + " | ".join(str(j) for j in positions) + " |"
+        rule = "|---|" + "---|" * len(self.per_position)
+        row = "| accepted share | " + " | ".join(f"{p:.3f}" for p in self.per_position) + " |"
+        return (
+            f"**Simulated acceptance length: {self.acceptance_length:.3f}** "
+            f"({self.num_drafts} drafts of {len(self.per_position)} tokens; "
+            f"{self.served_acceptance_length:.3f} over the {self.served_num_drafts} drafts a served run makes)"
+            f"\n\n{header}\n{rule}\n{row}\n"
+        )
+
+
+def accepted_counts(draft_tokens: torch.Tensor, target_greedy: torch.Tensor) -> torch.Tensor:
+    """Tokens accepted per draft: the length of the leading run of matches.
+
+    draft_tokens [K, N] (target ids proposed by each of N drafts), target_greedy [K, N]
+    (the target's greedy token at the same positions) -> int64 [N] in 0..K.
+    """
+    matches = (draft_tokens == target_greedy).to(torch.int64)  # [K, N]
+    return torch.cumprod(matches, dim=0).sum(dim=0)  # [N]
+
+
+def served_walk(rows: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """Pick the drafts a served run makes. rows [N] increasing, accepted [N] -> bool [N].
+
+    The first eligible row drafts; after a draft at row t with a accepted, the target has
+    produced a+1 tokens, so the next draft is at the first eligible row >= t+a+1.
+    """
+    chosen = torch.zeros(rows.shape[0], dtype=torch.bool)
+    next_row = -1
+    for i, (row, count) in enumerate(zip(rows.tolist(), accepted.tolist(), strict=True)):
+        if row >= next_row:
+            chosen[i] = True
+            next_row = row + count + 1
+    return chosen
+
+
+def report_from_counts(accepted: torch.Tensor, served: torch.Tensor, num_draft_tokens: int) -> AcceptanceReport:
+    """accepted int64 [N], served bool [N] -> AcceptanceReport (no drafts: length 1, zeros)."""
+    num = int(accepted.shape[0])
+    if num == 0:
+        return AcceptanceReport(acceptance_length=1.0, per_position=[0.0] * num_draft_tokens, num_drafts=0)
+    per_position = [float((accepted > j).double().mean()) for j in range(num_draft_tokens)]
+    return AcceptanceReport(
+        acceptance_length=1.0 + float(accepted.double().mean()),
+        per_position=per_position,
+        num_drafts=num,
+        served_acceptance_length=1.0 + float(accepted[served].double().mean()),
+        served_num_drafts=int(served.sum()),
+    )
+
+
+@torch.no_grad()
+def sample_accepted(
+    model: Eagle3Draft, mapping: VocabMapping, head: TargetHead, sample: Sample, num_draft_tokens: int,
+    greedy_cache: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eligible rows of one sample and the tokens accepted at each: (int64 [N], int64 [N]).
+
+    `greedy_cache` (sample id -> the target's greedy tokens [T]) saves recomputing what does not
+    depend on the draft when the same held-out samples score many checkpoints (the target's
+    full-vocabulary logits were over half of a scoring's CPU time)."""
+    k, length = num_draft_tokens, sample.num_tokens
+    n_aux = sample.hidden_states.shape[1] - 1
+    device = next(model.parameters()).device
+    states = sample.hidden_states.to(device=device, dtype=torch.float32)  # [T, n_aux+1, H]
+    step_tokens, target_pos, _ = ttt_alignment(sample.input_ids, sample.loss_mask, k)  # [K, T] each
+    positions = torch.arange(length, device=device)  # [T]
+    drafts = [  # doc_ids None: the rows are one document
+        logits.argmax(-1) for logits in model.unroll(states[:, :n_aux], step_tokens.to(device), positions, None, head.embed)
+    ]  # K x [T] draft ids
+    draft_ids = torch.stack(drafts).cpu()  # [K, T]
+    draft_tokens = draft_ids + mapping.d2t[draft_ids]  # [K, T] target ids
+    greedy = None if greedy_cache is None else greedy_cache.get(sample.sample_id)
+    if greedy is None:
+        greedy = target_logits(head, states[:, -1]).argmax(-1).cpu()  # [T] over the full vocabulary
+        if greedy_cache is not None:
+            greedy_cache[sample.sample_id] = greedy
+    rows = torch.arange(length)
+    mask = sample.loss_mask.to(torch.bool)
+    # Rows right after the target produced an assistant token, with k positions left to verify.
+    usable = (rows + k <= length - 1) & mask[(rows + 1).clamp(max=length - 1)]  # [T]
+    return rows[usable], accepted_counts(draft_tokens[:, usable], greedy[target_pos[:, usable]])  # [N], [N]
+
+
+def simulate_acceptance(
+    draft: Path | tuple[Eagle3Draft, VocabMapping],
+    heldout_store_dir: Path,
+    target_head: TargetHead,
+    num_draft_tokens: int = 3,
+    greedy_cache: dict[str, torch.Tensor] | None = None,
+    verify: bool = True,
+) -> AcceptanceReport:
+    """Acceptance of `draft` (an exported folder, or a model and its mapping) on a held-out store.
+    `greedy_cache`: see sample_accepted (pass the same dict for every checkpoint of one run).
+    `verify=False`: the caller has already checked the store's shards against their sha256."""
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens is {num_draft_tokens}; expected at least 1 (evaluate.num_draft_tokens)")
+    if isinstance(draft, tuple):
+        model, mapping = draft
+    else:
+        model, mapping = load_exported_draft(Path(draft))
+        if torch.cuda.is_available():
+            model.cuda()
+    if mapping.target_vocab_size != target_head.vocab_size:
+        raise ValueError(
+            f"the draft maps a vocabulary of {mapping.target_vocab_size}, the target head has {target_head.vocab_size}"
+        )
+    device = next(model.parameters()).device
+    head = target_head.to(torch.float32, device)
+    was_training = model.training
+    model.eval()
+    accepted, served = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.bool)]
+    try:
+        for sample in StoreReader(heldout_store_dir, verify=verify):
+            rows, counts = sample_accepted(model, mapping, head, sample, num_draft_tokens, greedy_cache)
+            accepted.append(counts)
+            served.append(served_walk(rows, counts))
+    finally:
+        model.train(was_training)
+    return report_from_counts(torch.cat(accepted), torch.cat(served), num_draft_tokens)

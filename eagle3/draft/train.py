@@ -1,0 +1,491 @@
+"""Training the EAGLE-3 draft on stored hidden states, with TTT, checkpoints and resume.
+
+Loss: eagle3.draft.loss (KL(target || draft) over the draft vocabulary, per TTT step, mean over
+steps). AdamW, linear warm-up, cosine decay.
+
+Data: eagle3.draft.batches packs whole samples into micro-batches of at most `batch_tokens` tokens
+in a seeded per-epoch order. The data position (epoch, cursor) is part of every checkpoint,
+so a resumed run sees exactly the batches the uninterrupted run would have seen. Batches are
+read and packed ahead by a small thread pool (and copied to the GPU on a side stream), in the
+same order, so the device never waits for the disk while the trajectory stays the same.
+
+Warm start: `init_from` (an exported draft folder, e.g. the draft in service) replaces the
+fresh initial weights; its shape and vocabulary mapping must be this run's. A resumed run
+takes its checkpoint's weights, whatever `init_from` says.
+
+Checkpoints are scored by simulated acceptance on the held-out store (when given), logged
+to evals.jsonl; the best one is kept through pruning and named in the result: the export
+takes it, not the last one (acceptance can peak mid-training and then fall).
+
+Data parallel (torchrun): see eagle3.draft.ddp; rank 0 writes checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from eagle3.artifacts import atomic_write_text
+from eagle3.capture.store import StoreReader
+from eagle3.draft import ddp
+from eagle3.draft.batches import BatchStream, shard_header
+from eagle3.draft.checkpoint import Checkpoint, checkpoint_name, clean_temporaries, latest_valid_checkpoint, save_checkpoint
+from eagle3.draft.evaluate import simulate_acceptance
+from eagle3.draft.export import ExportError, load_exported_draft
+from eagle3.draft.loss import EAGER, LossKernels, batch_loss, compiled_kernels
+from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
+from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
+from eagle3.draft.vocab import VocabMapping, load_mapping
+
+log = logging.getLogger(__name__)
+
+LOSSES = "losses.jsonl"
+EVALS = "evals.jsonl"
+CHECKPOINTS = "checkpoints"
+# Settings that may change between an interrupted run and its resume.
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
+                      "param_dtype"}
+# Settings that change how fast training runs, not what it learns: left out of the train fingerprint.
+RUNTIME_ONLY = {"compile", "param_dtype"}
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or resume; the message names the setting or file."""
+
+
+class TrainConfig(BaseModel):
+    """Settings of the train stage."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(default=2000, gt=0, description="Optimizer steps to train for in total (resumes count).")
+    learning_rate: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate, reached after warm-up.")
+    warmup_steps: int = Field(default=50, ge=0, description="Steps of linear warm-up from 0 to learning_rate.")
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Cosine decay ends at learning_rate * min_lr_ratio at the last step."
+    )
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay on matrices (never on norms).")
+    batch_tokens: int = Field(
+        default=2048, gt=0, description="Tokens per micro-batch: whole samples are packed up to this many "
+        "(a longer sample is cut to this length)."
+    )
+    grad_accum: int = Field(default=1, ge=1, description="Micro-batches whose gradients add up to one step.")
+    ttt_steps: int = Field(default=3, ge=1, description="TTT unroll depth: draft tokens trained per position.")
+    checkpoint_every: int = Field(
+        default=200, ge=1, description="Write a checkpoint every this many steps (and at the end)."
+    )
+    seed: int = Field(default=0, description="Seeds the draft's initial weights and the data order.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Compute dtype: 'auto' is bfloat16 autocast on CUDA, float32 on the CPU."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradients are clipped to this global norm.")
+    num_draft_tokens_eval: int = Field(
+        default=3, ge=1, description="Draft tokens per draft when checkpoints are evaluated for acceptance."
+    )
+    deterministic: bool | None = Field(
+        default=None, description="torch deterministic algorithms; None: on for the CPU (bitwise resume), off on "
+        "CUDA (deterministic attention backward is slower)."
+    )
+    loader_threads: int = Field(
+        default=2, ge=1, description="Threads that read and pack upcoming micro-batches while the device computes."
+    )
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Dtype of the draft's weights in the forward and backward pass. bfloat16 keeps "
+        "an fp32 master copy that the optimizer updates and checkpoints hold (mixed precision without casts; "
+        "faster on GPUs). 'auto': bfloat16 when the compute dtype is bfloat16, else float32. Not part of the "
+        "stage's fingerprint."
+    )
+    compile: bool | None = Field(
+        default=None, description="torch.compile the draft's TTT step and the loss kernels (about a minute of "
+        "compiling, then faster: 55,300 against 45,400 tokens/s on an H200, benchmarks/train_throughput.py; results "
+        "equal eager up to rounding). None: on for CUDA, off on the CPU. Not part of the stage's fingerprint."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
+        return self
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a call of train_draft did. `losses` is the whole trajectory, resumed steps included."""
+
+    checkpoint: Path | None
+    steps_done: int
+    losses: list[float]
+    tokens_seen: int
+    seconds: float
+    resumed_from_step: int | None
+    best_checkpoint: Path | None = None  # highest held-out acceptance; the last checkpoint without a held-out store
+    evals: list[dict] = field(default_factory=list)  # evals.jsonl: step, acceptance_length, per_position, checkpoint
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine decay."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+
+
+@dataclass
+class _Run:
+    """Everything train_draft holds between steps."""
+
+    config: TrainConfig
+    locations: list[tuple[str, int]]  # sample i of the store: (shard path, position in the shard)
+    lengths: list[int]  # tokens of sample i
+    model: Eagle3Draft
+    optimizer: torch.optim.Optimizer
+    head: TargetHead  # its lm_head holds only the draft vocabulary's rows
+    mapping: VocabMapping
+    device: torch.device
+    autocast: bool
+    meta: dict[str, object]
+    ctx: ddp.DistContext
+    master: list[torch.Tensor] | None = None  # fp32 copies of model.parameters() when the model holds bf16
+    kernels: LossKernels = EAGER  # compiled_kernels() with train.compile
+    greedy_cache: dict[str, torch.Tensor] = field(default_factory=dict)  # held-out scoring: the target's greedy tokens
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    tokens_seen: int = 0
+
+
+def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Path, vocab_path: Path,
+           init_from: Path | None) -> _Run:
+    ctx = ddp.context_from_env()
+    ddp.check_grad_accum(config.grad_accum, ctx)
+    reader = StoreReader(store_dir)
+    target = read_target_config(target_dir)
+    mapping: VocabMapping = load_mapping(vocab_path)
+    if mapping.target_vocab_size != target.vocab_size:
+        raise TrainError(
+            f"vocab file {vocab_path} maps a vocabulary of {mapping.target_vocab_size}, the target "
+            f"{target_dir} has {target.vocab_size}; rebuild the vocab stage for this target"
+        )
+    if reader.hidden_size != target.hidden_size:
+        raise TrainError(f"store {store_dir} has hidden size {reader.hidden_size}, the target {target.hidden_size}")
+    if len(reader) == 0:
+        raise TrainError(f"store {store_dir} holds no samples; check the data and extract stages")
+    draft_config = DraftConfig.from_target(
+        target, num_aux_hidden_states=len(reader.aux_layer_ids), draft_vocab_size=mapping.draft_vocab_size
+    )
+    device = ddp.device_for(ctx)
+    bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
+    full_head = load_target_head(head_path, target)
+    model = Eagle3Draft(draft_config)
+    init_draft(model, full_head, mapping, config.seed)
+    if init_from is not None:
+        _warm_start(model, mapping, Path(init_from))
+    model.to(device)
+    master = None
+    if config.param_dtype == "bfloat16" or (config.param_dtype == "auto" and bf16):
+        master = [p.detach().clone() for p in model.parameters()]  # fp32: what the optimizer updates
+        model.to(torch.bfloat16)
+    compile_on = config.compile if config.compile is not None else device.type == "cuda"
+    if compile_on:
+        _allow_graphs(config.ttt_steps)
+        model.step = torch.compile(model.step, dynamic=True)  # a graph per TTT step; the optimizer stays eager
+    # Only the draft vocabulary's rows of the target's lm_head are ever used in training.
+    head = replace(full_head, lm_head=full_head.lm_head[mapping.target_ids]).to(
+        torch.bfloat16 if bf16 else torch.float32, device)
+    updated = list(model.parameters()) if master is None else master
+    names = [n for n, _ in model.named_parameters()]
+    decay = [p for n, p in zip(names, updated, strict=True) if not n.endswith("norm.weight")]
+    no_decay = [p for n, p in zip(names, updated, strict=True) if n.endswith("norm.weight")]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda",
+    )
+    meta = {"train_config": config.model_dump(), "draft_config": draft_config.model_dump(),
+            "aux_layer_ids": reader.aux_layer_ids, "num_samples": len(reader),
+            "init_from": None if init_from is None else str(init_from)}
+    locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
+    lengths = [shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in locations]
+    if too_long := sum(length > config.batch_tokens for length in lengths):
+        log.warning("%d of %d samples are longer than train.batch_tokens=%d; they are cut to that length",
+                    too_long, len(lengths), config.batch_tokens)
+    return _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx, master,
+                compiled_kernels() if compile_on else EAGER)
+
+
+def _allow_graphs(ttt_steps: int) -> None:
+    """Let torch.compile keep every graph of the step: one per TTT step (its own keys' count differs), each with
+    and without a document mask, for every model built in this process (the cache belongs to the code, not the
+    instance). Past dynamo's limit (8) it would silently run the rest eagerly."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * 2 * ttt_steps)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when it cannot compile (dynamo's errors, Inductor's)."""
+    import torch._dynamo.exc
+
+    errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    inductor = getattr(importlib.import_module("torch._inductor.exc"), "InductorError", None)
+    return (*errors, inductor) if inductor is not None else tuple(errors)
+
+
+def _warm_start(model: Eagle3Draft, mapping: VocabMapping, init_from: Path) -> None:
+    """Load an exported draft's weights into the freshly built `model` (same shape, same d2t/t2d)."""
+    try:
+        parent, parent_mapping = load_exported_draft(init_from)
+    except (OSError, KeyError, ValueError, ExportError) as err:
+        raise TrainError(f"train init_from={init_from}: not a readable exported draft ({err}); point it at an "
+                         "export folder (config.json + model.safetensors) or start from scratch") from err
+    if parent.config != model.config:
+        changed = sorted(k for k, v in model.config.model_dump().items() if parent.config.model_dump().get(k) != v)
+        raise TrainError(f"train init_from={init_from}: the draft there differs from this run's in "
+                         f"{', '.join(changed)}; warm starts need the same target, aux layers and draft vocabulary")
+    if not (torch.equal(parent_mapping.d2t, mapping.d2t) and torch.equal(parent_mapping.t2d, mapping.t2d)):
+        raise TrainError(f"train init_from={init_from}: its vocabulary mapping (d2t/t2d) is not this run's; its "
+                         "lm_head rows belong to other tokens. Train with the parent's vocab.safetensors")
+    model.load_state_dict(parent.state_dict())
+
+
+def _train_step(run: _Run, stream: BatchStream) -> tuple[float, list[float], float]:
+    """One optimizer step over grad_accum micro-batches: (loss, per-TTT-step losses, lr)."""
+    config = run.config
+    lr = lr_at(run.step, config)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.model.zero_grad(set_to_none=True)
+    sums = torch.zeros(1 + config.ttt_steps, dtype=torch.float64, device=run.device)  # [loss, per-step...]
+    for _ in range(config.grad_accum):
+        batch, tokens, one_doc = stream.take()
+        run.tokens_seen += tokens
+        if batch is None:
+            continue
+        try:
+            with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
+                loss, losses = batch_loss(run.model, batch, run.head, one_doc, run.kernels)
+            (loss / config.grad_accum).backward()
+        except _compile_errors() as err:
+            if run.kernels is EAGER:
+                raise
+            inner = getattr(err, "inner_exception", None) or err.__cause__  # what the compiler itself raised
+            lines = [line for line in str(err).splitlines() if line.strip()][:2]
+            detail = f"{type(err).__name__}, from {type(inner).__name__}: {inner}" if inner else " ".join(lines)
+            raise TrainError(f"torch.compile failed on the draft's training step ({detail[:400]}); "
+                             "set train.compile=false to train eagerly (slower on GPUs), or repair the compiler "
+                             "setup (Triton, a C++ compiler)") from err
+        sums += torch.stack([loss.detach(), *[x.detach() for x in losses]]).double() / config.grad_accum
+    ddp.sum_gradients(run.model.parameters(), run.ctx)
+    updated = list(run.model.parameters()) if run.master is None else run.master
+    if run.master is not None:  # bf16 gradients -> the fp32 master copy, which the optimizer updates
+        for master, param in zip(run.master, run.model.parameters(), strict=True):
+            master.grad = None if param.grad is None else param.grad.float()
+    torch.nn.utils.clip_grad_norm_(updated, config.max_grad_norm)
+    run.optimizer.step()
+    if run.master is not None:
+        with torch.no_grad():
+            for master, param in zip(run.master, run.model.parameters(), strict=True):
+                param.copy_(master)
+                master.grad = None
+    run.step += 1
+    values = ddp.sum_values(sums, run.ctx).tolist()  # one host sync per step
+    return values[0], values[1:], lr
+
+
+def _resume(run: _Run, out_dir: Path) -> int | None:
+    """Load the newest valid checkpoint into `run`; returns its step (None when starting fresh)."""
+    if run.ctx.is_main:
+        clean_temporaries(out_dir / CHECKPOINTS)
+    ddp.barrier(run.ctx)
+    found: Checkpoint | None = latest_valid_checkpoint(out_dir / CHECKPOINTS)
+    if found is None:
+        return None
+    _check_compatible(found, run)
+    run.model.load_state_dict(found.weights)
+    if run.master is not None:
+        for (name, _), master in zip(run.model.named_parameters(), run.master, strict=True):
+            master.copy_(found.weights[name])
+    state = found.state
+    run.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if torch.cuda.is_available() and state["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    run.step, run.epoch, run.cursor = found.step, int(state["data"]["epoch"]), int(state["data"]["cursor"])
+    run.tokens_seen = int(state["tokens_seen"])
+    return found.step
+
+
+def _check_compatible(found: Checkpoint, run: _Run) -> None:
+    for key in ("draft_config", "aux_layer_ids", "num_samples"):
+        if found.meta.get(key) != run.meta[key]:
+            raise TrainError(
+                f"checkpoint {found.path} has {key} {found.meta.get(key)}, this run {run.meta[key]}: it was "
+                "trained on other data or another draft shape; use a fresh out_dir"
+            )
+    old, new = found.meta.get("train_config", {}), run.meta["train_config"]
+    changed = sorted(k for k in new if old.get(k) != new[k] and k not in _RESUMABLE_CHANGES)
+    if changed:
+        raise TrainError(
+            f"checkpoint {found.path} was trained with other settings ({', '.join('train.' + k for k in changed)}); "
+            "restore them to resume, or use a fresh out_dir"
+        )
+
+
+def _save(run: _Run, out_dir: Path, protect: set[str]) -> Path:
+    state = {
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": {"kind": "warmup_cosine", "last_step": run.step},
+        "rng": {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "data": {"epoch": run.epoch, "cursor": run.cursor},
+        "tokens_seen": run.tokens_seen,
+    }
+    return save_checkpoint(out_dir / CHECKPOINTS, run.step, _weights(run), state, run.meta, protect=protect)
+
+
+def _weights(run: _Run) -> dict[str, torch.Tensor]:
+    """The draft's weights at full precision: the fp32 master copy when the model holds bf16."""
+    state = run.model.state_dict()
+    if run.master is not None:
+        names = [name for name, _ in run.model.named_parameters()]
+        state.update(zip(names, run.master, strict=True))
+    return state
+
+
+def _evaluate(run: _Run, heldout: Path, head: TargetHead) -> dict:
+    """Simulated acceptance of the current weights on the held-out store (one evals.jsonl entry)."""
+    model = run.model
+    if run.master is not None:  # scored in fp32, as the export will be
+        model = Eagle3Draft(run.model.config).to(run.device)
+        model.load_state_dict(_weights(run))
+    report = simulate_acceptance((model, run.mapping), heldout, head, run.config.num_draft_tokens_eval,
+                                 greedy_cache=run.greedy_cache, verify=False)  # verified once, in _loop
+    return {"step": run.step, "checkpoint": checkpoint_name(run.step), "acceptance_length": report.acceptance_length,
+            "per_position": report.per_position, "num_drafts": report.num_drafts}
+
+
+def best_eval(evals: list[dict]) -> dict | None:
+    """The entry with the highest acceptance length (the later one on a tie)."""
+    return max(reversed(evals), key=lambda e: e["acceptance_length"], default=None)
+
+
+def _read_jsonl(path: Path, up_to: int) -> list[dict]:
+    """Entries of a log (losses.jsonl, evals.jsonl) for steps <= up_to (later ones belong to a lost trajectory)."""
+    if not path.is_file():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    entries = []
+    for number, line in enumerate(lines):
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number != len(lines) - 1:
+                raise TrainError(
+                    f"{path} line {number + 1} is not JSON; delete the file to start its log afresh"
+                ) from err
+            log.warning("dropping the half-written last line of %s (the run was killed while logging)", path)
+    return [e for e in entries if e["step"] <= up_to]
+
+
+def _write_jsonl(path: Path, entries: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in entries))
+
+
+def train_draft(
+    config: TrainConfig,
+    *,
+    store_dir: Path,
+    target_dir: Path,
+    head_path: Path,
+    vocab_path: Path,
+    out_dir: Path,
+    progress: Callable[[int, int, float], None] | None = None,
+    stop_after: int | None = None,
+    heldout_store_dir: Path | None = None,
+    init_from: Path | None = None,
+) -> TrainResult:
+    """Train (or resume training) the draft; checkpoints, losses.jsonl and evals.jsonl go under out_dir.
+
+    `stop_after` ends the call once the trajectory reaches that step, writing no extra
+    checkpoint: it behaves like an interruption (tests use it to check resume).
+    `heldout_store_dir`: score every checkpoint by simulated acceptance there (see the module docstring).
+    `init_from`: an exported draft folder to start from instead of fresh weights (warm start).
+    """
+    started = time.monotonic()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    previous_determinism = torch.are_deterministic_algorithms_enabled()
+    deterministic = config.deterministic if config.deterministic is not None else not torch.cuda.is_available()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        run = _setup(config, Path(store_dir), Path(target_dir), Path(head_path), Path(vocab_path), init_from)
+        resumed = _resume(run, out_dir)
+        result = _loop(run, out_dir, resumed, progress, stop_after, heldout_store_dir, Path(head_path), target_dir)
+    finally:
+        torch.use_deterministic_algorithms(previous_determinism)
+    return replace(result, seconds=time.monotonic() - started)
+
+
+def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[[int, int, float], None] | None,
+          stop_after: int | None, heldout: Path | None, head_path: Path, target_dir: Path) -> TrainResult:
+    config, main = run.config, run.ctx.is_main
+    history, evals = _read_jsonl(out_dir / LOSSES, run.step), _read_jsonl(out_dir / EVALS, run.step)
+    eval_head = load_target_head(head_path, read_target_config(target_dir)) if heldout is not None else None
+    if heldout is not None:
+        StoreReader(heldout)  # checks every held-out shard's sha256 once; each scoring then reads unverified
+    last = None if resumed is None else out_dir / CHECKPOINTS / checkpoint_name(resumed)
+
+    def evaluate_checkpoint() -> None:
+        if main and eval_head is not None:
+            evals.append(_evaluate(run, Path(heldout), eval_head))
+            _write_jsonl(out_dir / EVALS, evals)
+
+    if main:
+        _write_jsonl(out_dir / LOSSES, history)
+        _write_jsonl(out_dir / EVALS, evals)
+        if resumed is not None and not any(e["step"] == resumed for e in evals):
+            evaluate_checkpoint()  # killed between writing this checkpoint and scoring it
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
+    stream = BatchStream(run) if run.step < end else None
+    try:
+        with open(out_dir / LOSSES, "a") if main else open(os.devnull, "w") as losses_file:
+            while run.step < end:
+                loss, per_step, lr = _train_step(run, stream)
+                entry = {"step": run.step, "loss": loss, "loss_per_ttt_step": per_step, "lr": lr,
+                         "tokens_seen": run.tokens_seen}
+                history.append(entry)
+                losses_file.write(json.dumps(entry) + "\n")
+                losses_file.flush()
+                if progress is not None:
+                    progress(run.step, config.steps, loss)
+                if run.step % config.checkpoint_every == 0 or run.step == config.steps:
+                    best = best_eval(evals)
+                    if main:
+                        _save(run, out_dir, protect={best["checkpoint"]} if best else set())
+                    last = out_dir / CHECKPOINTS / checkpoint_name(run.step)
+                    evaluate_checkpoint()
+                    ddp.barrier(run.ctx)
+    finally:
+        if stream is not None:
+            stream.close()
+    ddp.barrier(run.ctx)
+    evals = _read_jsonl(out_dir / EVALS, run.step)  # every process: rank 0 wrote them
+    best = best_eval(evals)
+    return TrainResult(
+        checkpoint=last, steps_done=run.step, losses=[e["loss"] for e in history], tokens_seen=run.tokens_seen,
+        seconds=0.0, resumed_from_step=resumed, evals=evals,
+        best_checkpoint=out_dir / CHECKPOINTS / best["checkpoint"] if best else last,
+    )
