@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from flows.local_server import ServerStartError
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft heads for vLLM targets.")
@@ -94,6 +96,24 @@ def _print_outcome(state, run_dir: str) -> int:  # noqa: ANN001 - a prefect Stat
     return 0
 
 
+def _prefect_api(run_dir: str) -> None:
+    """No Prefect server configured: start a temporary one of our own (flows.local_server says why
+    not Prefect's ephemeral one). Must run before anything imports prefect."""
+    from flows.local_server import configured_api_url, start_temporary_server
+
+    if configured_api_url():
+        return
+    log = Path(run_dir) / "logs" / "prefect-server.log"
+    url = start_temporary_server(log)
+    print(f"eagle3: no Prefect server configured; a temporary one for this run at {url} (log {log})", flush=True)
+
+
+def _interrupted(run_dir: str) -> int:
+    print(f"interrupted: the stages that finished are kept; run the same command again to resume ({run_dir})",
+          file=sys.stderr, flush=True)
+    return 130
+
+
 def _run(args: argparse.Namespace) -> int:
     _quiet_console(args.verbose)
     from eagle3.config import ConfigError, build_config
@@ -103,12 +123,18 @@ def _run(args: argparse.Namespace) -> int:
         config = build_config(preset, getattr(args, "config", None), args.overrides, args.run_dir)
     except ConfigError as err:
         return _fail(str(err), 2)
-    from flows.train_eagle3 import train_eagle3
-    from tasks.gpu import ensure_gpu_limit
+    try:
+        _prefect_api(config.run_dir)
+        from flows.train_eagle3 import train_eagle3
+        from tasks.gpu_slot import ensure_gpu_limit
 
-    ensure_gpu_limit()  # the setup of `eagle3 deploy`, for a server (or a temporary one) that never had it
-    print(f"eagle3: run dir {config.run_dir}; target {config.target.model}", flush=True)
-    state = train_eagle3(config, return_state=True)
+        ensure_gpu_limit()  # the setup of `eagle3 deploy`, for a server (or a temporary one) that never had it
+        print(f"eagle3: run dir {config.run_dir}; target {config.target.model}", flush=True)
+        state = train_eagle3(config, return_state=True)
+    except KeyboardInterrupt:
+        return _interrupted(config.run_dir)
+    except ServerStartError as err:
+        return _fail(str(err))
     return _print_outcome(state, config.run_dir)
 
 
@@ -124,13 +150,19 @@ def _nightly(args: argparse.Namespace) -> int:
         config = build_nightly_config(args.preset, args.config, overrides, args.run_dir)
     except ConfigError as err:
         return _fail(str(err), 2)
-    from flows.nightly import nightly_eagle3
-    from tasks.gpu import ensure_gpu_limit
+    try:
+        _prefect_api(config.pipeline.run_dir)
+        from flows.nightly import nightly_eagle3
+        from tasks.gpu_slot import ensure_gpu_limit
 
-    ensure_gpu_limit()
-    print(f"eagle3 nightly: run dir {config.pipeline.run_dir}; incoming {config.incoming}; registry {config.publish.registry}",
-          flush=True)
-    state = nightly_eagle3(config, return_state=True)
+        ensure_gpu_limit()
+        print(f"eagle3 nightly: run dir {config.pipeline.run_dir}; incoming {config.incoming}; registry "
+              f"{config.publish.registry}", flush=True)
+        state = nightly_eagle3(config, return_state=True)
+    except KeyboardInterrupt:
+        return _interrupted(config.pipeline.run_dir)
+    except ServerStartError as err:
+        return _fail(str(err))
     gate = Path(config.pipeline.run_dir) / "nightly.json"
     code = _print_outcome(state, config.pipeline.run_dir)
     if gate.is_file() and isinstance(json.loads(gate.read_text()).get("gate"), dict):

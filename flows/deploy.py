@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from flows import local_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -66,7 +66,7 @@ def deploy(settings: DeploySettings, api_url: str | None = None) -> None:
     """Work pool + concurrency limit + `prefect deploy --all` of deployments/prefect.yaml."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.gpu import ensure_gpu_limit
+    from tasks.gpu_slot import ensure_gpu_limit
 
     updates = {PREFECT_API_URL: api_url} if api_url else {}
     with temporary_settings(updates=updates):
@@ -77,19 +77,6 @@ def deploy(settings: DeploySettings, api_url: str | None = None) -> None:
                                str(PREFECT_FILE)], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise DeployError(f"prefect deploy --all --prefect-file {PREFECT_FILE} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-
-
-def wait_healthy(api_url: str, proc: subprocess.Popen | None, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{api_url}/health", timeout=2)
-            return
-        except OSError:
-            if proc is not None and proc.poll() is not None:
-                raise DeployError(f"prefect server exited with code {proc.returncode} before answering {api_url}/health") from None
-            time.sleep(0.5)
-    raise DeployError(f"no answer from {api_url}/health within {timeout:.0f} s")
 
 
 def _stop(proc: subprocess.Popen, first: int, grace: float) -> None:
@@ -122,14 +109,20 @@ def serve(settings: DeploySettings, *, host: str = "127.0.0.1", port: int = 4200
         if api_url is None:
             api_url = f"http://{host}:{port}/api"
             # The UI asks the API at PREFECT_UI_API_URL, which otherwise stays at the default port 4200.
-            server_env = env | {"PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": api_url.removesuffix("/api")}
+            # Concurrency leases on disk (flows.local_server): a restarted server still knows who holds the gpu slot.
+            server_env = local_server.server_env(env | {"PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": api_url.removesuffix("/api")})
             server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
                                       env=server_env, stdout=open(log_dir / "server.log", "a"), stderr=subprocess.STDOUT,
                                       start_new_session=True)
             children.append(("server", server, signal.SIGTERM, 20))
             print(f"eagle3 serve: prefect server pid {server.pid}, log {log_dir / 'server.log'}", flush=True)
-        wait_healthy(api_url, children[0][1] if children else None)
+        try:
+            local_server.wait_healthy(api_url, children[0][1] if children else None, timeout=120)
+        except local_server.ServerStartError as err:
+            raise DeployError(str(err)) from None
         env["PREFECT_API_URL"] = api_url
+        if children:  # our server: its runs may account for the gpu slot against its lease files
+            env |= local_server.leases_env()
         if stop.is_set():
             return 0
         deploy(settings, api_url)

@@ -8,7 +8,7 @@ upstream records, checks that the artifact is whole, and calls the task. The tar
 loaded by the first stage that has real work for it (regenerate or extract) and shared
 by both; it is released before training.
 
-Two blocks hold the `gpu` concurrency slot (tasks.gpu.gpu_slot), so that two runs never
+Two blocks hold the `gpu` concurrency slot (tasks.gpu_slot.gpu_slot), so that two runs never
 share the GPUs: from the first gpu_cleanup until the target is released and the GPUs are
 verified clean, and from train to evaluate.
 
@@ -33,7 +33,8 @@ from flows.report import run_report
 from flows.runner import StageFailed, StageRunner
 from tasks import draft as draft_tasks
 from tasks import stages as data_tasks
-from tasks.gpu import gpu_cleanup, gpu_slot
+from tasks.gpu import gpu_cleanup
+from tasks.gpu_slot import gpu_slot
 
 __all__ = ["StageFailed", "train_eagle3"]
 

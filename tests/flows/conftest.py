@@ -9,7 +9,7 @@ def prefect_harness():
     `eagle3 deploy` sets up a real one: with the global concurrency limit `gpu`."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.gpu import ensure_gpu_limit
+    from tasks.gpu_slot import ensure_gpu_limit
 
     with prefect_test_harness(server_startup_timeout=120):
         ensure_gpu_limit()

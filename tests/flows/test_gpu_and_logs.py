@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.gpu import GPU_LIMIT, SLOT_LOG, GpuLimitMissing, ensure_gpu_limit, gpu_slot
+from tasks.gpu_slot import GPU_LIMIT, SLOT_LOG, GpuLimitMissing, ensure_gpu_limit, gpu_slot
 from tasks.output import child_output_to_logs
 
 
@@ -92,7 +92,7 @@ HOLDER = """
 import sys, time
 from pathlib import Path
 from prefect import flow
-from tasks.gpu import gpu_slot
+from tasks.gpu_slot import gpu_slot
 
 @flow
 def hold() -> None:
