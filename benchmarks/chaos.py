@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/chaos.py [--moments 11] [--seed 0] [--repeat 3] [--work DIR]
 
-Starts its own `prefect server start` on 127.0.0.1, runs one uninterrupted run as the
+With `--server own` (and `both`, the default) it starts its own `prefect server start` on 127.0.0.1; with
+`--server none` (and `both`) the killed runs have no server configured, as the README runs them first. Runs one uninterrupted run as the
 reference, then for each seeded kill moment a fresh run that is SIGKILLed (whole process
 group) and run again until it completes (tests/reliability/harness.py checks export tensors,
 temporary files, stores, manifests, markers and checkpoints). The other faults run the same
@@ -51,6 +52,7 @@ def start_prefect_server(home: Path) -> tuple[subprocess.Popen, str]:
 
 def kill_matrix(work: Path, env: dict[str, str], count: int, seed: int) -> list[tuple[str, int, str]]:
     started = time.time()
+    work.mkdir(parents=True, exist_ok=True)
     reference_dir = work / "reference"
     ok = harness.run_once(harness.run_args(reference_dir, []), env)
     if ok.returncode != 0:
@@ -103,6 +105,10 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="times each non-kill fault is tried")
     parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     parser.add_argument("--skip-kills", action="store_true", help="only the in-process faults")
+    parser.add_argument("--skip-faults", action="store_true", help="only the kills")
+    parser.add_argument("--server", choices=["own", "none", "both"], default="both",
+                        help="the killed runs' Prefect: a long-lived `prefect server start` (own), none configured (each "
+                             "run starts its temporary server: the README's first way), or both, one matrix each")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="eagle3-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -110,22 +116,27 @@ def main() -> int:
     os.environ.update(harness.ENV | {"EAGLE3_CACHE_DIR": str(cache)})
     rows: list[tuple[str, int, str]] = []
     started = time.time()
-    if not args.skip_kills:
+    if not args.skip_kills and args.server in ("own", "both"):
         (work / "prefect-home").mkdir(exist_ok=True)
         server, url = start_prefect_server(work / "prefect-home")
         try:
-            rows += kill_matrix(work, harness.cli_env(url, cache), args.moments, args.seed)
+            rows += kill_matrix(work / "own-server", harness.cli_env(url, cache), args.moments, args.seed)
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
+    if not args.skip_kills and args.server in ("none", "both"):
+        env = harness.cli_env_without_server(work / "prefect-home-none", cache)
+        rows += [(f"{fault} (no server configured)", tried, lost)
+                 for fault, tried, lost in kill_matrix(work / "no-server", env, args.moments, args.seed)]
     if rows:
         _print_table(rows, "kills so far")
-    try:
-        from tests.reliability import faults
+    if not args.skip_faults:
+        try:
+            from tests.reliability import faults
 
-        rows += faults.run_all(work / "faults", cache, args.repeat)
-    except Exception as err:  # noqa: BLE001 - the kill rows above still count
-        rows.append(("in-process faults (tests/reliability/faults.py)", 0, f"did not run: {type(err).__name__}: {err}"))
+            rows += faults.run_all(work / "faults", cache, args.repeat)
+        except Exception as err:  # noqa: BLE001 - the kill rows above still count
+            rows.append(("in-process faults (tests/reliability/faults.py)", 0, f"did not run: {type(err).__name__}: {err}"))
     _print_table(rows, f"chaos: {time.time() - started:.0f}s, seed {args.seed}, work dir {work}")
     return 0 if all(lost == "nothing" for _, _, lost in rows) else 1
 

