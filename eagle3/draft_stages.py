@@ -18,6 +18,7 @@ from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, TargetInfo
 from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, simulate_acceptance
 from eagle3.draft.export import export_draft
+from eagle3.draft.launch import resolve_num_processes, train_distributed
 from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
 from eagle3.draft.served_eval import ServedReport, heldout_prompts, served_acceptance
 from eagle3.draft.target_head import load_target_head, read_target_config
@@ -72,11 +73,14 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         return done
     info = TargetInfo.read(target.path)
     heldout = extracted.path / "heldout"
-    result = train_draft(
-        config, store_dir=extracted.path / "train", target_dir=Path(info.model_dir), head_path=target.path / HEAD_FILE,
-        vocab_path=vocab.path / VOCAB_FILE, out_dir=final, progress=progress,
-        heldout_store_dir=heldout if len(StoreReader(heldout)) else None, init_from=init_from,
-    )
+    paths = {"store_dir": extracted.path / "train", "target_dir": Path(info.model_dir), "head_path": target.path / HEAD_FILE,
+             "vocab_path": vocab.path / VOCAB_FILE, "heldout_store_dir": heldout if len(StoreReader(heldout)) else None,
+             "init_from": init_from}
+    processes = resolve_num_processes(config)
+    if processes > 1:
+        result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
+    else:
+        result = train_draft(config, out_dir=final, progress=progress, **paths)
     if result.checkpoint is None or result.best_checkpoint is None:
         raise RuntimeError(f"training in {final} ended without a checkpoint")
     best = next((e for e in result.evals if e["checkpoint"] == result.best_checkpoint.name), None)
@@ -89,6 +93,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         "checkpoints_evaluated": len(result.evals),
         "best_acceptance_length": round(best["acceptance_length"], 4) if best else -1.0,
         "init_from": str(init_from) if init_from is not None else "",
+        "processes": processes,
     }
     return mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint=fp, stats=stats))
 

@@ -55,9 +55,9 @@ EVALS = "evals.jsonl"
 CHECKPOINTS = "checkpoints"
 # Settings that may change between an interrupted run and its resume.
 _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
-                      "param_dtype"}
+                      "param_dtype", "num_processes"}
 # Settings that change how fast training runs, not what it learns: left out of the train fingerprint.
-RUNTIME_ONLY = {"compile", "param_dtype"}
+RUNTIME_ONLY = {"compile", "param_dtype", "num_processes"}
 
 
 class TrainError(RuntimeError):
@@ -112,10 +112,22 @@ class TrainConfig(BaseModel):
         "equal eager up to rounding). None: on for CUDA, off on the CPU. Not part of the stage's fingerprint."
     )
 
+    num_processes: int | Literal["auto"] = Field(
+        default="auto", description="Processes that train data-parallel, one per GPU, launched with torchrun "
+        "(eagle3.draft.launch). 'auto': every visible GPU, 1 on the CPU. Must divide train.grad_accum (each process "
+        "takes every n-th micro-batch of a step, so the result does not depend on it). A run may resume with another "
+        "number. Not part of the stage's fingerprint."
+    )
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
+        if isinstance(self.num_processes, int) and self.num_processes < 1:
+            raise ValueError(f"train.num_processes is {self.num_processes}; expected a number >= 1 or 'auto'")
+        if isinstance(self.num_processes, int) and self.grad_accum % self.num_processes:
+            raise ValueError(f"train.grad_accum ({self.grad_accum}) does not split over train.num_processes "
+                             f"({self.num_processes}); set train.grad_accum to a multiple of {self.num_processes}")
         return self
 
 
