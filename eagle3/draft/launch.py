@@ -35,6 +35,7 @@ from eagle3.draft import ddp
 from eagle3.draft.train import LOSSES, TrainConfig, TrainError, TrainResult, train_draft
 
 RESULT = ".train-result.json"
+POLL_SECONDS = 0.25  # between two looks at losses.jsonl while the ranks train
 
 
 def resolve_num_processes(config: TrainConfig) -> int:
@@ -54,33 +55,42 @@ def _die_with_parent() -> None:  # in the child, between fork and exec
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _new_steps(path: Path, reported: int) -> list[tuple[int, float]]:
-    """(step, loss) of rank 0's steps after `reported`, as they land in losses.jsonl."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    steps = []
-    for line in lines:
+class _LossFollower:
+    """Rank 0's new steps in losses.jsonl, read from where the last look stopped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.last, self.inode = path, 0, 0, None
+
+    def new_steps(self) -> list[tuple[int, float]]:
         try:
+            with open(self.path, "rb") as handle:
+                inode = os.fstat(handle.fileno()).st_ino
+                if inode != self.inode:  # replaced (rank 0 starts by rewriting it atomically): read from the start
+                    self.inode, self.offset = inode, 0
+                handle.seek(self.offset)
+                data = handle.read()
+        except OSError:
+            return []
+        whole = data[: data.rfind(b"\n") + 1]  # the line being written waits for the next look
+        self.offset += len(whole)
+        steps = []
+        for line in whole.splitlines():
             entry = json.loads(line)
-        except json.JSONDecodeError:  # the line being written
-            break
-        if entry["step"] > reported:
-            steps.append((entry["step"], entry["loss"]))
-    return steps
+            if entry["step"] > self.last:
+                self.last = entry["step"]
+                steps.append((entry["step"], entry["loss"]))
+        return steps
 
 
 def _wait(proc: subprocess.Popen, losses: Path, total: int, progress: Callable[[int, int, float], None] | None) -> int:
     """Wait for torchrun, reporting rank 0's steps to `progress` from this thread (the caller's run context)."""
-    reported = 0
+    follower = _LossFollower(losses)
     while True:
         try:
-            code = proc.wait(timeout=1.0)
+            code = proc.wait(timeout=POLL_SECONDS)
         except subprocess.TimeoutExpired:
             code = None
-        for step, loss in _new_steps(losses, reported) if progress is not None else []:
-            reported = step
+        for step, loss in follower.new_steps() if progress is not None else []:
             progress(step, total, loss)
         if code is not None:
             return code
