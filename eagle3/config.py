@@ -133,8 +133,74 @@ def parse_set(assignments: list[str]) -> dict:
         parts = key.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(err)}); "
+                              f"expected a number, true/false, or text (quote text that has YAML punctuation)") from None
     return out
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """'while parsing a flow mapping (started at line 1, column 8): expected ',' or '}', ...' from a yaml error."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    context = err.context or ""
+    if context and err.context_mark is not None:
+        context += f" (started at line {err.context_mark.line + 1}, column {err.context_mark.column + 1})"
+    return ": ".join(part for part in (context, err.problem or "") if part)
+
+
+def _read_yaml(path: Path) -> dict:
+    """The mapping in YAML file `path`, or ConfigError naming the file, the line and what was expected."""
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file; expected a YAML file of settings")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {err.start}); expected a YAML file of settings") from None
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot be read ({err.strerror})") from None
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ConfigError(f"--config {where}: not valid YAML: {_yaml_problem(err)} (the file must be a YAML mapping "
+                          "of settings, e.g. 'train: {steps: 100}')") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of settings (e.g. 'train: {{steps: 100}}'), "
+                          f"got a {type(loaded).__name__}")
+    return loaded
+
+
+def yaml_lines(path: Path) -> dict[tuple[str, ...], int]:
+    """Each key path of a YAML mapping file -> the line (1-based) its key is on: ("train", "steps") -> 7."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                path_ = prefix + (str(key.value),)
+                lines[path_] = key.start_mark.line + 1
+                walk(value, path_)
+
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):  # the file was read once already; no lines then, not an error
+        return {}
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def file_locations(config_file: Path | None, overrides: list[str] | None) -> dict[tuple[str, ...], str]:
+    """Setting path -> 'file:line' for the settings the YAML file sets and no --set replaces (for error messages)."""
+    if config_file is None:
+        return {}
+    replaced = {tuple(item.split("=", 1)[0].strip().split(".")) for item in overrides or [] if "=" in item}
+    return {key: f"{config_file}:{line}" for key, line in yaml_lines(Path(config_file)).items()
+            if not any(key[: len(r)] == r for r in replaced)}
 
 
 def preset_settings(preset: str) -> dict:
@@ -147,13 +213,7 @@ def layer_settings(base: dict, config_file: Path | None, overrides: list[str] | 
     """`base`, then the YAML file, then --set overrides (not yet validated)."""
     raw = dict(base)
     if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
-        raw = merge_settings(raw, loaded)
+        raw = merge_settings(raw, _read_yaml(Path(config_file)))
     return merge_settings(raw, parse_set(overrides or []))
 
 
@@ -165,14 +225,18 @@ def build_config(preset: str | None = None, config_file: Path | None = None, ove
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, file_locations(config_file, overrides))) from None
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """One line per problem: 'train.steps: Input should be ... (got 'x')'."""
+def format_validation_error(err: ValidationError, where: dict[tuple[str, ...], str] | None = None) -> str:
+    """One part per problem: 'train.steps: Input should be ... (got 'x')', prefixed 'my.yaml:7: ' when
+    `where` (see file_locations) says which line of the YAML file set it."""
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(config)"
+        loc = tuple(str(p) for p in e["loc"])
+        field = ".".join(loc) or "(config)"
+        line = next((where[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in (where or {})), None)
+        field = f"{line}: {field}" if line else field
         message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             message = "unknown setting (check the spelling; README lists every setting)"

@@ -16,7 +16,7 @@ from eagle3.artifacts import StageRecord, atomic_write_text, building, mark_comp
 from eagle3.capture.store import StoreReader
 from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, TargetInfo
-from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, simulate_acceptance
+from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, Progress, simulate_acceptance
 from eagle3.draft.export import export_draft
 from eagle3.draft.launch import resolve_num_processes, train_distributed
 from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
@@ -122,10 +122,13 @@ def fingerprint_evaluate(config: EvalConfig, exported: StageRecord, extracted: S
 
 
 def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord,
-                 root: Path, fp: str) -> StageRecord:
+                 root: Path, fp: str, progress: Progress | None = None) -> StageRecord:
     """(a) simulated acceptance on the held-out states; (b) with `config.served`, vLLM serving the
     target with the draft on the held-out prompts (the held-out store's token ids, up to each
-    assistant turn). Writes acceptance.json, acceptance.md and the PNG plots."""
+    assistant turn). Writes acceptance.json, acceptance.md and the PNG plots.
+
+    `progress` (done, total, tokens): one item per held-out sample scored, then two per served
+    prompt (with and without the draft), which count when the served evaluation returns."""
     final, done = _done(root, "evaluate", fp)
     if done:
         return done
@@ -136,17 +139,31 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
     info = TargetInfo.read(target.path)
     target_config = read_target_config(Path(info.model_dir))
     head = load_target_head(target.path / HEAD_FILE, target_config)
-    report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False)
-    served = None
+    prompts: list[list[int]] = []
     if config.served:
         limit = target_config.max_position_embeddings - config.served_max_new_tokens - config.num_draft_tokens - 1
         pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in reader)
         prompts = heldout_prompts(pairs, config.served_max_prompts, limit)
+    total, scored = len(reader) + 2 * len(prompts), [0]
+    if progress is not None:
+        progress(0, total, 0)
+
+    def simulated_progress(done: int, _total: int, tokens: int) -> None:
+        scored[0] = tokens
+        if progress is not None:
+            progress(done, total, tokens)
+
+    report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False,
+                                 progress=simulated_progress)
+    served = None
+    if config.served:
         served = served_acceptance(
             Path(info.model_dir), exported.path, prompts, num_draft_tokens=config.num_draft_tokens,
             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
             kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap,
         )
+        if progress is not None:  # the runs with and without the draft generate about as many tokens
+            progress(total, total, scored[0] + 2 * served.generated_tokens)
     with building(final) as tmp:
         plots = _plots(tmp, exported, report, served)
         payload = {"simulated": {"acceptance_length": report.acceptance_length, "per_position": report.per_position,

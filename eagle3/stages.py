@@ -43,7 +43,10 @@ VERSIONS = {
     "export": "1",
     "evaluate": "1",
 }
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int, int], None]  # (done, total, tokens processed so far)
+# Regenerate sends the prompts to the engine this many at a time, so that its progress moves
+# between calls (None: all at once). See eagle3.capture.regenerate for why the value is what it is.
+REGENERATE_REQUESTS_PER_CALL: int | None = None
 BAD_ROWS = "bad_rows.jsonl"  # prepare_data: the source rows skipped, one {"source", "line", "reason"} a line
 
 
@@ -112,7 +115,8 @@ def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, ta
 
 
 def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_config: TargetConfig, target: StageRecord,
-                   root: Path, fp: str, load_log: Path) -> StageRecord:
+                   root: Path, fp: str, load_log: Path, progress: Progress | None = None) -> StageRecord:
+    """`progress`: (requests answered, requests in all, tokens generated), see eagle3.capture.regenerate."""
     final, done = _done(root, "regenerate", fp)
     if done:
         return done
@@ -127,7 +131,8 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
     if config.enabled:
         spec = engine_spec(target_config, target, load_log)
         result = regenerate(answered, _tokenizer(target, target_config.trust_remote_code),
-                            lambda: vllm_adapter.acquire(spec), config, target_config.max_model_len)
+                            lambda: vllm_adapter.acquire(spec), config, target_config.max_model_len, progress=progress,
+                            requests_per_call=REGENERATE_REQUESTS_PER_CALL)
         answered, skipped, generated = result.conversations, result.skipped_too_long, result.generated_tokens
     with building(final) as tmp:
         conversations.write_conversations(tmp / "conversations.jsonl", answered)
@@ -199,14 +204,22 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
                                                   trust_remote_code=target_config.trust_remote_code))
     else:
         get_engine = lambda: vllm_adapter.acquire(spec)  # noqa: E731 - the pool loads once per process
+    splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
+    shards = {split: -(-len(samples) // config.samples_per_shard) for split, samples in splits.items()}
     stats: dict[str, int | float | str] = {}
-    for split in ("train", "heldout"):
-        samples = conversations.read_samples(prepared.path / f"{split}.jsonl")
+    offset, tokens_before = 0, 0  # one bar for both splits: the held-out shards count after the train ones
+    for split, samples in splits.items():
+        tokens = sum(len(s.input_ids) for s in samples)
+        per_shard = tokens / max(shards[split], 1)  # the rate's tokens: shards hold equal sample counts, not tokens
+        report = None if progress is None else (
+            lambda done, _total, o=offset, b=tokens_before, t=per_shard:
+            progress(o + done, sum(shards.values()), int(b + done * t)))
         result = extract_store(
             samples, final / split, get_engine=get_engine, aux_layer_ids=info.aux_layer_ids,
-            num_layers=info.num_layers, hidden_size=info.hidden_size, config=config, dtype=dtype, progress=progress,
+            num_layers=info.num_layers, hidden_size=info.hidden_size, config=config, dtype=dtype, progress=report,
             max_model_len=target_config.max_model_len,
         )
+        offset, tokens_before = offset + shards[split], tokens_before + tokens
         stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,
                   f"{split}_shards_written": result.shards_written, f"{split}_shards_reused": result.shards_reused}
     return mark_complete(final, StageRecord(stage="extract", uri=str(final), fingerprint=fp, stats=stats))

@@ -7,9 +7,12 @@
     eagle3 deploy [--timezone TZ] [--cron CRON] [--incoming DIR] [--registry DIR]
     eagle3 serve [--port 4200] [--api-url URL] [deploy options]
 
-`run` and `nightly` print one line per stage (stage, state, seconds, artifact), then the result table,
-writes <run-dir>/summary.json and exits non-zero when the flow failed. Errors are one line
-naming the value and the setting; `--verbose` also shows Prefect's own log on the console.
+`run` and `nightly` print one line per stage (stage, state, seconds, artifact), a progress bar
+for the long stages, then the result table, write <run-dir>/summary.json and exit non-zero when
+the flow failed. What the engines and libraries print goes to <run-dir>/logs/engine.log (and the
+Prefect run log), not to the console. Errors are one `error:` line naming the value and the
+setting (the file and line for a YAML file), and the log that holds the details; `--verbose`
+shows the engines' output, Prefect's own log and tracebacks on the console too.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from flows.local_server import ServerStartError
+from tasks import console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +79,7 @@ def _fail(message: str, code: int = 1) -> int:
 
 def _quiet_console(verbose: bool) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")  # the library's logging in the run log
+    console.set_engine_echo(verbose)  # engines' lines: engine.log and the run log; the console only if asked
     if not verbose:
         # Prefect logs still reach the server/UI; the console shows our stage lines only.
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
@@ -81,7 +87,7 @@ def _quiet_console(verbose: bool) -> None:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
 
 
-def _print_outcome(state, run_dir: str) -> int:  # noqa: ANN001 - a prefect State
+def _print_outcome(state, run_dir: str, verbose: bool) -> int:  # noqa: ANN001 - a prefect State
     from eagle3.ops.summary import read_summary
 
     summary_path = Path(run_dir) / "summary.json"
@@ -91,9 +97,24 @@ def _print_outcome(state, run_dir: str) -> int:  # noqa: ANN001 - a prefect Stat
         print(summary.to_markdown())
         print(f"\nsummary: {summary_path}")
     if state.is_failed():
-        error = state.result(raise_on_failure=False)
-        return _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return _fail_run(state.result(raise_on_failure=False), run_dir, verbose)
     return 0
+
+
+def _fail_run(error: object, run_dir: str, verbose: bool) -> int:
+    """The one `error:` line of a failed run, with the log that holds the details (the traceback
+    goes there; a failed stage's is already there, see flows.runner)."""
+    from flows.runner import StageFailed, log_traceback
+    from tasks.output import ENGINE_LOG
+
+    log = Path(run_dir) / "logs" / ENGINE_LOG
+    if isinstance(error, BaseException):
+        if not isinstance(error, StageFailed):
+            log_traceback(log, "flow", error)
+        if verbose:
+            traceback.print_exception(error)
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return _fail(f"{first} (details: {log})" if log.is_file() else first)
 
 
 def _prefect_api(run_dir: str) -> None:
@@ -135,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
         return _interrupted(config.run_dir)
     except ServerStartError as err:
         return _fail(str(err))
-    return _print_outcome(state, config.run_dir)
+    return _print_outcome(state, config.run_dir, args.verbose)
 
 
 def _nightly(args: argparse.Namespace) -> int:
@@ -164,7 +185,7 @@ def _nightly(args: argparse.Namespace) -> int:
     except ServerStartError as err:
         return _fail(str(err))
     gate = Path(config.pipeline.run_dir) / "nightly.json"
-    code = _print_outcome(state, config.pipeline.run_dir)
+    code = _print_outcome(state, config.pipeline.run_dir, args.verbose)
     if gate.is_file() and isinstance(json.loads(gate.read_text()).get("gate"), dict):
         decision = json.loads(gate.read_text())["gate"]
         print(f"gate: {'promoted' if decision['promoted'] else 'not promoted'}: {decision['reason']}")
@@ -211,6 +232,17 @@ def _gpu_cleanup(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except Exception as err:  # noqa: BLE001 - the user sees one line; --verbose (and the log) the traceback
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        hint = "" if getattr(args, "verbose", False) else " (--verbose shows the traceback)"
+        message = str(err).splitlines()[0] if str(err) else ""
+        return _fail(f"{type(err).__name__}: {message}{hint}")
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("run", "demo"):
         return _run(args)
     if args.command == "nightly":

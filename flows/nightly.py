@@ -38,6 +38,7 @@ from tasks import nightly as nightly_tasks
 from tasks import stages as data_tasks
 from tasks.gpu import gpu_cleanup
 from tasks.gpu_slot import gpu_slot
+from tasks.output import ENGINE_LOG
 
 Part = tuple[str, StageRecord, StageRecord]  # (file label, prepared, extracted)
 WARM_START_VERSION = "1"  # of the warm-start train and parent-vocab fingerprints
@@ -127,7 +128,7 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
     run_dir = Path(p.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     load_log = run_dir / "logs" / "target_loads.jsonl"
-    run = StageRunner(p.artifacts)
+    run = StageRunner(p.artifacts, run_dir / "logs" / ENGINE_LOG)
     files = incremental.discover(config.incoming, today=config.run_date, window_days=config.window_days)
     served = read_current(config.publish.registry)
     known = set(served.data_files) if served else set()

@@ -35,6 +35,7 @@ from tasks import draft as draft_tasks
 from tasks import stages as data_tasks
 from tasks.gpu import gpu_cleanup
 from tasks.gpu_slot import gpu_slot
+from tasks.output import ENGINE_LOG
 
 __all__ = ["StageFailed", "train_eagle3"]
 
@@ -44,7 +45,7 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     load_log = run_dir / "logs" / "target_loads.jsonl"
-    run = StageRunner(config.artifacts)
+    run = StageRunner(config.artifacts, run_dir / "logs" / ENGINE_LOG)
     outcome: dict[str, object] = {}
     cleanups: list[dict] = []
     started = time.time()

@@ -24,7 +24,7 @@ def vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, root:
 def train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str) -> StageRecord:
     report = progress_reporter("train", "steps")
     return draft_stages.run_train(config, target, extracted, vocab, root, fp,
-                                  progress=lambda step, total, loss: report(step, total))
+                                  progress=lambda step, total, loss: report(step, total, detail=f"loss {loss:.3f}"))
 
 
 @task(name="export")
@@ -34,4 +34,5 @@ def export(target: StageRecord, trained: StageRecord, vocab: StageRecord, root: 
 
 @task(name="evaluate")
 def evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord, root: Path, fp: str) -> StageRecord:
-    return draft_stages.run_evaluate(config, target, exported, extracted, root, fp)
+    return draft_stages.run_evaluate(config, target, exported, extracted, root, fp,
+                                     progress=progress_reporter("evaluate", "items"))

@@ -35,7 +35,8 @@ def warm_train(config: TrainConfig, target: StageRecord, extracted: StageRecord,
                root: Path, fp: str) -> StageRecord:
     report = progress_reporter("train", "steps")
     return draft_stages.run_train(config, target, extracted, vocab, root, fp,
-                                  progress=lambda step, total, loss: report(step, total), init_from=init_from)
+                                  progress=lambda step, total, loss: report(step, total, detail=f"loss {loss:.3f}"),
+                                  init_from=init_from)
 
 
 @task(name="publish", cache_policy=NO_CACHE)

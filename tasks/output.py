@@ -1,11 +1,14 @@
-"""Output of child processes (and of native code) into the Prefect run log.
+"""Output of child processes (and of native code) into engine.log and the Prefect run log.
 
 A stage's engine writes where Python logging cannot see it: vLLM's worker processes,
 torchrun ranks, `fuser`, CUDA and NCCL warnings all write straight to file descriptors 1
-and 2. Prefect only logs what goes through Python logging, so without this the run page
-in the UI shows none of it. `child_output_to_logs()` points fds 1 and 2 at pipes for the
-duration of a stage; a reader thread copies every line back to the original descriptor
-(the terminal or the worker's log still shows it) and logs it to the run log.
+and 2, and so do Python's `warnings`, transformers' and vLLM's loggers (their handlers write
+to sys.stdout/sys.stderr). Prefect only logs what goes through Python logging, so without
+this the run page in the UI shows none of it. `child_output_to_logs()` points fds 1 and 2 at
+pipes for the duration of a stage; a reader thread appends every line to
+`<run_dir>/logs/engine.log` (time, stage, stream), logs it to the run log, and copies it to
+the original descriptor only when tasks.console's `engine_echo` is on (a worker's stdout,
+`eagle3 run --verbose`): `eagle3 run`'s console shows stage lines and progress, not engines.
 
 Python's own console logging is pointed at the original descriptors meanwhile, so it is
 neither logged twice nor fed back into the pipe.
@@ -18,21 +21,19 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TextIO
 
 from prefect.logging import get_run_logger
 from prefect.logging.handlers import APILogHandler, PrefectConsoleHandler
 
+from tasks import console
+
+ENGINE_LOG = "engine.log"  # in <run_dir>/logs/
 _FLAG = "eagle3_child_output"
 _active = threading.Lock()
-_original: dict[int, int] = {}  # fd -> the descriptor it pointed at before the redirection (while active)
-
-
-def terminal() -> TextIO | None:
-    """A text stream to the real stderr when it is a terminal (also while fds 1/2 go to the log), else None."""
-    fd = _original.get(2, 2)
-    return os.fdopen(os.dup(fd), "w", buffering=1) if os.isatty(fd) else None
 
 
 class _OnlyToApi(logging.Filter):
@@ -47,27 +48,59 @@ def _handlers() -> list[logging.Handler]:
     return list({id(h): h for lg in loggers for h in lg.handlers}.values())
 
 
-def _pump(read_fd: int, echo_fd: int, logger: logging.LoggerAdapter, stream: str) -> None:
-    """Until every writer has closed the pipe: echo each line, log it. Never stops early (a
-    child that outlives the stage would block on a full pipe)."""
+class _Sinks:
+    """Where one stream's lines go: the run log, engine.log (if any), the console (if echoing)."""
+
+    def __init__(self, logger: logging.LoggerAdapter, stream: str, stage: str, engine_log: Path | None,
+                 echo_fd: int | None) -> None:
+        self.logger, self.stream, self.stage, self.echo_fd = logger, stream, stage, echo_fd
+        # O_APPEND: each line is one write, so the two streams' lines never interleave mid-line.
+        self.file = os.open(engine_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if engine_log else None
+
+    def echo(self, chunk: bytes) -> None:
+        if self.echo_fd is not None:
+            os.write(self.echo_fd, chunk)
+
+    def line(self, raw: bytes) -> None:
+        line = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1]  # a progress bar: its last state only
+        if not line.strip():
+            return
+        text = line.decode("utf-8", "replace")
+        if self.file is not None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            os.write(self.file, f"{stamp} {self.stage} [{self.stream}] {text}\n".encode("utf-8", "replace"))
+        self.logger.info("[%s] %s", self.stream, text, extra={_FLAG: True})
+
+    def close(self) -> None:
+        for fd in (self.file, self.echo_fd):
+            if fd is not None:
+                os.close(fd)
+
+
+def _pump(read_fd: int, sinks: _Sinks) -> None:
+    """Until every writer has closed the pipe: pass each line on. Never stops early (a child
+    that outlives the stage would block on a full pipe)."""
     with os.fdopen(read_fd, "rb", buffering=0) as pipe:
         pending = b""
         while chunk := pipe.read(65536):
-            os.write(echo_fd, chunk)
+            sinks.echo(chunk)
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                line = line.rstrip(b"\r").rsplit(b"\r", 1)[-1]  # a progress bar: its last state only
-                if line.strip():
-                    logger.info("[%s] %s", stream, line.decode("utf-8", "replace"), extra={_FLAG: True})
-        if pending.strip():
-            logger.info("[%s] %s", stream, pending.decode("utf-8", "replace"), extra={_FLAG: True})
-    os.close(echo_fd)
+                sinks.line(line)
+        sinks.line(pending)
+    sinks.close()
+
+
+def _text(fd: int) -> TextIO:
+    """A line-buffered text stream on `fd` (which stays open when the stream is dropped)."""
+    return open(fd, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
 
 
 @contextlib.contextmanager
-def child_output_to_logs() -> Iterator[None]:
-    """Send fds 1 and 2 (this process's native writes and every child's) to the run log too.
+def child_output_to_logs(stage: str = "", engine_log: Path | None = None) -> Iterator[None]:
+    """Send fds 1 and 2 (this process's native writes and every child's) to the run log and to
+    `engine_log` (lines tagged with `stage`); echo them to the console only if tasks.console says so.
 
     Outside a flow or task run, or when already active, it does nothing.
     """
@@ -81,8 +114,12 @@ def child_output_to_logs() -> Iterator[None]:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    if engine_log is not None:
+        Path(engine_log).parent.mkdir(parents=True, exist_ok=True)
+    echo = console.engine_echo()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    _original.update(saved)
+    streams: tuple = (sys.stdout, sys.stderr)
+    console.redirected(saved)
     readers: list[threading.Thread] = []
     consoles = [h for h in _handlers() if isinstance(h, PrefectConsoleHandler)]
     restore = [(h, h.console.file) for h in consoles]
@@ -97,15 +134,22 @@ def child_output_to_logs() -> Iterator[None]:
             read_fd, write_fd = os.pipe()
             os.dup2(write_fd, fd)
             os.close(write_fd)
-            reader = threading.Thread(target=_pump, args=(read_fd, os.dup(saved[fd]), logger, name), daemon=True,
-                                      name=f"eagle3-{name}-to-log")
+            sinks = _Sinks(logger, name, stage or "-", engine_log, os.dup(saved[fd]) if echo else None)
+            reader = threading.Thread(target=_pump, args=(read_fd, sinks), daemon=True, name=f"eagle3-{name}-to-log")
             reader.start()
             readers.append(reader)
+        # Python-level writers too (print, warnings, loggers that look sys.stderr up when they write),
+        # also when sys.stdout/sys.stderr were replaced by something that does not write to fds 1/2.
+        sys.stdout, sys.stderr = _text(1), _text(2)
         yield
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        _original.clear()
+        ours = [stream for stream in (sys.stdout, sys.stderr) if stream not in streams]
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.stdout, sys.stderr = streams
+        for stream in ours:
+            stream.close()  # closefd=False: fds 1/2 stay open
+        console.restored()
         for fd, original in saved.items():
             os.dup2(original, fd)  # our write end of the pipe is gone; children may still hold theirs
             os.close(original)

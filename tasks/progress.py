@@ -1,39 +1,92 @@
-"""Progress of long stages: a Prefect progress artifact, a line in the run log, and a bar on the
-terminal when there is one (the `eagle3` CLI in a shell; never in a worker's log)."""
+"""Progress of long stages (regenerate, extract, train, evaluate): a Prefect progress artifact, a line
+in the run log, and on the console either a bar redrawn in place (a terminal) or a plain line at
+most every PLAIN_EVERY_S seconds and one when the stage is done (a file: `make demo > demo.log`
+stays short).
+
+The callback is (done, total, tokens=None, detail=""): `tokens` counts what was processed so far
+(the rate is then tokens/s, else <unit>/s), `detail` is shown as is (train: the loss). Rate and
+ETA count from the first report, which the library makes when the real work starts (after the
+engine is loaded), so a model load does not spoil them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from typing import Protocol
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
-from tasks.output import terminal
+from tasks import console
 
-BAR_WIDTH = 30
+BAR_WIDTH = 24
+PLAIN_EVERY_S = 30.0  # no terminal: at most one line per stage this often, plus the last one
+REDRAW_EVERY_S = 0.2  # a terminal: redraw at most this often
 
 
-def progress_reporter(stage: str, unit: str) -> Callable[[int, int], None]:
-    """A callback (done, total) that updates one progress artifact for `stage`."""
-    state: dict[str, object] = {}
+class Reporter(Protocol):
+    def __call__(self, done: int, total: int, tokens: int | None = None, detail: str = "") -> None: ...
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def describe(stage: str, unit: str, done: int, total: int, rate: float | None, per: str, detail: str = "",
+             eta: float | None = None) -> str:
+    """`extract  [#####.....] 4/10 shards  1,234 tokens/s  ETA 0:12  loss 3.2` (pure: tested)."""
+    filled = int(BAR_WIDTH * done / max(total, 1))
+    parts = [f"{stage:<13} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} {unit}"]
+    if rate is not None:
+        parts.append(f"{rate:,.1f} {per}/s" if rate < 100 else f"{rate:,.0f} {per}/s")
+    if eta is not None and done < total:
+        parts.append(f"ETA {_duration(eta)}")
+    if detail:
+        parts.append(detail)
+    return "  ".join(parts)
+
+
+def progress_reporter(stage: str, unit: str) -> Reporter:
+    """A callback that reports `stage`'s progress (see the module docstring)."""
     logger = get_run_logger()
-    bar = terminal()
+    terminal = console.is_terminal(2)
+    state: dict[str, object] = {"percent": -1, "drawn": 0.0}
 
-    def report(done: int, total: int) -> None:
-        percent = 100.0 * done / max(total, 1)
-        if int(percent) == state.get("last") and done != total:
-            return  # at most one update per percent
-        state["last"] = int(percent)
-        if "id" not in state:
-            state["id"] = create_progress_artifact(progress=percent, description=f"{stage}: {unit} done")
-        else:
-            update_progress_artifact(artifact_id=state["id"], progress=percent)
-        logger.info("%s: %d/%d %s (%.0f%%)", stage, done, total, unit, percent)
-        if bar is not None and not bar.closed:
-            filled = int(BAR_WIDTH * done / max(total, 1))
-            bar.write(f"\r{stage:<13} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} {unit}")
-            if done >= total:
-                bar.write("\n")
-                bar.close()
+    def report(done: int, total: int, tokens: int | None = None, detail: str = "") -> None:
+        if state.get("finished") == (done, total):
+            return  # the last state is shown once
+        now = time.monotonic()
+        if "start" not in state:  # rates count from here
+            state["start"] = (now, done, tokens or 0)
+            state["printed"] = now
+        started, done0, tokens0 = state["start"]  # type: ignore[misc]
+        elapsed = now - started
+        rate = eta = None
+        if elapsed > 0 and done > done0:
+            items_per_s = (done - done0) / elapsed
+            eta = (total - done) / items_per_s
+            rate = (tokens - tokens0) / elapsed if tokens is not None else items_per_s
+        per = "tokens" if tokens is not None else unit
+        text = describe(stage, unit, done, total, rate, per, detail, eta)
+        finished = done >= total
+        if finished:
+            state["finished"] = (done, total)
+        percent = int(100 * done / max(total, 1))
+        if percent != state["percent"] or finished:  # the artifact and the run log: at most once per percent
+            state["percent"] = percent
+            if "id" not in state:
+                state["id"] = create_progress_artifact(progress=float(percent), description=f"{stage}: {unit} done")
+            else:
+                update_progress_artifact(artifact_id=state["id"], progress=float(percent))
+            logger.info("%s", text)
+        if terminal:
+            if finished or now - float(state["drawn"]) >= REDRAW_EVERY_S:
+                console.draw_bar(text, final=finished)
+                state["drawn"] = now
+        elif finished or now - float(state["printed"]) >= PLAIN_EVERY_S:
+            console.say(text, fd=2)
+            state["printed"] = now
 
     return report

@@ -33,7 +33,8 @@ def stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str) -> 
 def regenerate(config: RegenerateConfig, data_config: DataConfig, target_config: TargetConfig, target: StageRecord,
                root: Path, fp: str, load_log: Path) -> StageRecord:
     with transient_failures():
-        return stages.run_regenerate(config, data_config, target_config, target, root, fp, load_log)
+        return stages.run_regenerate(config, data_config, target_config, target, root, fp, load_log,
+                                     progress=progress_reporter("regenerate", "requests"))
 
 
 @task(name="prepare_data")

@@ -2,6 +2,9 @@
 
 Each conversation keeps its turns up to (not including) the first assistant turn; the
 target writes that assistant turn (greedy when temperature is 0, sampled otherwise).
+
+Progress is reported per call to the engine: `requests_per_call` prompts at a time (None:
+all in one call, so the bar moves once, when every answer is in).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.capture import vllm_adapter
 from eagle3.data.conversations import Conversation, Message, _template_ids
+
+Progress = Callable[[int, int, int], None]  # (requests answered, requests in all, tokens generated so far)
 
 
 class RegenerateConfig(BaseModel):
@@ -38,6 +43,8 @@ def regenerate(
     get_engine: Callable[[], object],
     config: RegenerateConfig,
     max_model_len: int,
+    progress: Progress | None = None,
+    requests_per_call: int | None = None,
 ) -> RegenerateResult:
     prompts: list[tuple[Conversation, tuple[Message, ...], list[int]]] = []
     skipped = 0
@@ -54,16 +61,24 @@ def regenerate(
         prompts.append((conv, head, ids))
     if not prompts:
         return RegenerateResult([], skipped, 0)
-    outputs = vllm_adapter.generate(
-        get_engine(),
-        [ids for _, _, ids in prompts],
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        seed=config.seed,
-    )
+    outputs = _generate_all(get_engine(), [ids for _, _, ids in prompts], config, progress, requests_per_call)
     out = []
     for (conv, head, _), tokens in zip(prompts, outputs):
         text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
         out.append(Conversation(conv.id, head + (Message("assistant", text),)))
     return RegenerateResult(out, skipped, sum(len(t) for t in outputs))
+
+
+def _generate_all(engine: object, prompts: list[list[int]], config: RegenerateConfig, progress: Progress | None,
+                  requests_per_call: int | None) -> list[list[int]]:
+    """The engine's answers to `prompts`, in order, `requests_per_call` at a time, reporting after each call."""
+    step = requests_per_call or len(prompts)
+    outputs: list[list[int]] = []
+    if progress is not None:
+        progress(0, len(prompts), 0)  # the engine is loaded: the rate counts from here
+    for start in range(0, len(prompts), step):
+        outputs += vllm_adapter.generate(engine, prompts[start:start + step], max_new_tokens=config.max_new_tokens,
+                                         temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+        if progress is not None:
+            progress(len(outputs), len(prompts), sum(len(t) for t in outputs))
+    return outputs

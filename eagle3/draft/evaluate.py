@@ -16,6 +16,7 @@ draft is served, up to numeric near-ties between the two implementations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,6 +29,8 @@ from eagle3.draft.export import load_exported_draft
 from eagle3.draft.model import Eagle3Draft, ttt_alignment
 from eagle3.draft.target_head import TargetHead, target_logits
 from eagle3.draft.vocab import VocabMapping
+
+Progress = Callable[[int, int, int], None]  # (held-out samples scored, samples in all, their tokens so far)
 
 
 class EvalConfig(BaseModel):
@@ -160,10 +163,12 @@ def simulate_acceptance(
     num_draft_tokens: int = 3,
     greedy_cache: dict[str, torch.Tensor] | None = None,
     verify: bool = True,
+    progress: Progress | None = None,
 ) -> AcceptanceReport:
     """Acceptance of `draft` (an exported folder, or a model and its mapping) on a held-out store.
     `greedy_cache`: see sample_accepted (pass the same dict for every checkpoint of one run).
-    `verify=False`: the caller has already checked the store's shards against their sha256."""
+    `verify=False`: the caller has already checked the store's shards against their sha256.
+    `progress`: called after each sample."""
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens is {num_draft_tokens}; expected at least 1 (evaluate.num_draft_tokens)")
     if isinstance(draft, tuple):
@@ -181,11 +186,16 @@ def simulate_acceptance(
     was_training = model.training
     model.eval()
     accepted, served = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.bool)]
+    reader = StoreReader(heldout_store_dir, verify=verify)
+    scored = 0  # tokens
     try:
-        for sample in StoreReader(heldout_store_dir, verify=verify):
+        for index, sample in enumerate(reader, start=1):
             rows, counts = sample_accepted(model, mapping, head, sample, num_draft_tokens, greedy_cache)
             accepted.append(counts)
             served.append(served_walk(rows, counts))
+            scored += sample.num_tokens
+            if progress is not None:
+                progress(index, len(reader), scored)
     finally:
         model.train(was_training)
     return report_from_counts(torch.cat(accepted), torch.cat(served), num_draft_tokens)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from eagle3.config import (
     ConfigError,
     PipelineConfig,
+    file_locations,
     format_validation_error,
     layer_settings,
     merge_settings,
@@ -63,4 +64,4 @@ def build_nightly_config(preset: str | None = None, config_file: Path | None = N
     try:
         return NightlyConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, file_locations(config_file, overrides))) from None

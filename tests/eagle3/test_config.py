@@ -43,3 +43,34 @@ def test_yaml_file_on_top_of_nothing(tmp_path: Path):
     assert config.target.model == "builtin:tiny" and config.train.steps == 3
     with pytest.raises(ConfigError, match="no such file"):
         build_config(config_file=tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("train: {steps: 3\n", r"bad\.yaml:2:1: not valid YAML: while parsing a flow mapping \(started at line 1, column 8\): "
+                           r"expected ',' or '\}'"),
+    ("train:\n  steps: 3\n    warmup_steps: 1\n", r"bad\.yaml:3:\d+: not valid YAML: mapping values are not allowed here"),
+    ("- 1\n- 2\n", r"bad\.yaml: expected a mapping of settings .*got a list"),
+    (b"train: \xff\n", r"bad\.yaml: not UTF-8 text"),
+])
+def test_a_malformed_yaml_file_is_one_error_naming_file_and_line(tmp_path: Path, text: str | bytes, expected: str):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=expected) as caught:
+        build_config("tiny", config_file=path)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_bad_setting_in_a_yaml_file_names_its_line_unless_set_replaces_it(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run_dir: x\ntrain:\n  steps: many\n  stepz: 3\n")
+    with pytest.raises(ConfigError) as caught:
+        build_config("tiny", config_file=path)
+    assert f"{path}:3: train.steps: " in str(caught.value) and f"{path}:4: train.stepz: unknown setting" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        build_config("tiny", config_file=path, overrides=["train.steps=many"])
+    assert f"{path}:3" not in str(caught.value) and "train.steps: " in str(caught.value)
+
+
+def test_a_set_value_that_is_not_yaml_is_an_error_not_a_traceback():
+    with pytest.raises(ConfigError, match=r"--set 'train.steps=\{': the value is not valid YAML"):
+        parse_set(["train.steps={"])
