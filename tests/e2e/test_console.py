@@ -1,0 +1,95 @@
+"""What `eagle3 run` prints: stage lines, progress and the result table; the engines' lines (vLLM,
+safetensors bars, torch warnings) go to <run_dir>/logs/engine.log, and to the console only with
+--verbose. One tiny run serves several tests (it is the expensive part)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import run_cli
+
+# vLLM's own log format: "INFO 12-01 00:59:21 [model.py:733] Resolved architecture: ..."
+VLLM_LINE = re.compile(r"(INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[\w+\.py:\d+\]")
+LONG_STAGES = ("regenerate", "extract", "train", "evaluate")
+ALL_STAGES = ("gpu_cleanup", "stage_target", "regenerate", "prepare_data", "extract", "vocab", "train", "export", "evaluate")
+
+
+@pytest.fixture(scope="module")
+def env(prefect_server: str, builtin_cache: Path) -> dict[str, str]:
+    return os.environ | {"PREFECT_API_URL": prefect_server, "EAGLE3_CACHE_DIR": str(builtin_cache)}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("console") / "run"
+    out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir)], env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return run_dir, out
+
+
+def test_the_console_shows_stages_progress_and_results_and_no_engine_lines(tiny_run):
+    _, out = tiny_run
+    stdout, stderr = out.stdout.splitlines(), out.stderr.splitlines()
+    for stage in ALL_STAGES:
+        assert any(re.match(rf"{stage}\s+Completed\s+[\d.]+s", line) for line in stdout), (stage, out.stdout)
+    for stage in LONG_STAGES:  # no terminal: plain lines, at least the last one (done == total, with a rate)
+        assert any(re.match(rf"{stage}\s+\[#+\] (\d+)/\1 \w+  [\d,.]+ \w+/s", line) for line in stderr), (stage, out.stderr)
+    assert "| stage | state | seconds | artifact |" in out.stdout and "Acceptance length" in out.stdout
+    shown = out.stdout + out.stderr
+    assert not VLLM_LINE.search(shown), shown
+    for noise in ("Loading safetensors", "FutureWarning", "libtcmalloc", "NUMA", "Traceback", "\r"):
+        assert noise not in shown, (noise, shown)
+    assert len(stdout) + len(stderr) <= 45, shown
+
+
+def test_engine_log_holds_the_engine_lines_with_their_stage(tiny_run):
+    run_dir, _ = tiny_run
+    lines = (run_dir / "logs" / "engine.log").read_text().splitlines()
+    vllm = [line for line in lines if VLLM_LINE.search(line)]
+    assert vllm, lines[:20]
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (regenerate|extract) \[std(out|err)\] ", line) for line in vllm)
+    assert any("Loading safetensors checkpoint shards: 100%" in line for line in lines)  # a bar: its last state
+
+
+def test_a_failed_stage_is_one_error_line_naming_the_log(tmp_path: Path, env: dict[str, str]):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    run_dir = tmp_path / "run"
+    args = ["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", f"data.source={data}"]
+    out = run_cli(args, env)
+    assert out.returncode == 1
+    log = run_dir / "logs" / "engine.log"
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [out.stderr.strip().splitlines()[-1]]
+    assert "regenerate: data.source=" in errors[0] and errors[0].endswith(f"(details: {log})")
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "[traceback] Traceback (most recent call last):" in log.read_text()
+    verbose = run_cli([*args, "--verbose"], env)
+    assert "Traceback (most recent call last):" in verbose.stderr
+    assert verbose.stderr.strip().splitlines()[-1] == errors[0]
+
+
+def test_a_malformed_yaml_config_is_one_error_line_with_file_and_line(tmp_path: Path, env: dict[str, str]):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {steps: 3\n")
+    out = run_cli(["run", "--config", str(bad)], env, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        f"error: --config {bad}:2:1: not valid YAML: while parsing a flow mapping (started at line 1, column 8): "
+        "expected ',' or '}', but got '<stream end>' (the file must be a YAML mapping of settings, e.g. 'train: {steps: 100}')"
+    ]
+
+
+def test_verbose_shows_the_engine_lines_too(tiny_run, env: dict[str, str]):
+    """Last: it reruns extract and what follows in the shared run folder (a new shard size), so the engine loads."""
+    run_dir, _ = tiny_run
+    out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", "extract.samples_per_shard=4",
+                   "--verbose"], env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert VLLM_LINE.search(out.stdout + out.stderr)
+    assert re.search(r"^extract\s+Completed", out.stdout, re.M)
