@@ -144,17 +144,9 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
         limit = target_config.max_position_embeddings - config.served_max_new_tokens - config.num_draft_tokens - 1
         pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in reader)
         prompts = heldout_prompts(pairs, config.served_max_prompts, limit)
-    total, scored = len(reader) + 2 * len(prompts), [0]
-    if progress is not None:
-        progress(0, total, 0)
-
-    def simulated_progress(done: int, _total: int, tokens: int) -> None:
-        scored[0] = tokens
-        if progress is not None:
-            progress(done, total, tokens)
-
+    bar = _EvalProgress(progress, len(reader) + 2 * len(prompts))
     report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False,
-                                 progress=simulated_progress)
+                                 progress=bar.simulated)
     served = None
     if config.served:
         served = served_acceptance(
@@ -162,8 +154,7 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
             kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap,
         )
-        if progress is not None:  # the runs with and without the draft generate about as many tokens
-            progress(total, total, scored[0] + 2 * served.generated_tokens)
+        bar.served(served.generated_tokens)
     with building(final) as tmp:
         plots = _plots(tmp, exported, report, served)
         payload = {"simulated": {"acceptance_length": report.acceptance_length, "per_position": report.per_position,
@@ -181,6 +172,26 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                       "served_near_ties": served.near_ties, "served_num_drafts": served.num_drafts,
                       "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
+
+
+class _EvalProgress:
+    """evaluate's one bar: the held-out samples scored, then two items per served prompt (the runs
+    with and without the draft), counted when the served evaluation returns."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.tokens = progress, total, 0
+        self._tell(0, 0)
+
+    def simulated(self, done: int, _total: int, tokens: int) -> None:
+        self.tokens = tokens
+        self._tell(done, tokens)
+
+    def served(self, generated_tokens: int) -> None:
+        self._tell(self.total, self.tokens + 2 * generated_tokens)  # both runs generate about as many tokens
+
+    def _tell(self, done: int, tokens: int) -> None:
+        if self.progress is not None:
+            self.progress(done, self.total, tokens)
 
 
 def _plots(out: Path, exported: StageRecord, report: AcceptanceReport, served: ServedReport | None) -> list[str]:

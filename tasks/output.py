@@ -92,6 +92,16 @@ def _pump(read_fd: int, sinks: _Sinks) -> None:
     sinks.close()
 
 
+def _pipe_to(fd: int, sinks: _Sinks) -> threading.Thread:
+    """Point `fd` at a new pipe whose reader thread hands every line to `sinks`."""
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, fd)
+    os.close(write_fd)
+    reader = threading.Thread(target=_pump, args=(read_fd, sinks), daemon=True, name=f"eagle3-{sinks.stream}-to-log")
+    reader.start()
+    return reader
+
+
 def _text(fd: int) -> TextIO:
     """A line-buffered text stream on `fd` (which stays open when the stream is dropped)."""
     return open(fd, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
@@ -131,13 +141,8 @@ def child_output_to_logs(stage: str = "", engine_log: Path | None = None) -> Ite
         for h in consoles:
             h.console.file = os.fdopen(os.dup(saved[2]), "w", buffering=1)
         for fd, name in ((1, "stdout"), (2, "stderr")):
-            read_fd, write_fd = os.pipe()
-            os.dup2(write_fd, fd)
-            os.close(write_fd)
             sinks = _Sinks(logger, name, stage or "-", engine_log, os.dup(saved[fd]) if echo else None)
-            reader = threading.Thread(target=_pump, args=(read_fd, sinks), daemon=True, name=f"eagle3-{name}-to-log")
-            reader.start()
-            readers.append(reader)
+            readers.append(_pipe_to(fd, sinks))
         # Python-level writers too (print, warnings, loggers that look sys.stderr up when they write),
         # also when sys.stdout/sys.stderr were replaced by something that does not write to fds 1/2.
         sys.stdout, sys.stderr = _text(1), _text(2)
