@@ -40,18 +40,10 @@ vLLM's TP rank when its parallel state is up, else torch.distributed's rank, els
 buffers, its patched forward passes straight through and its hooks copy nothing (and so it
 checks nothing either: rank 0's checks cover the batch, which is the same on every rank).
 
-NOT IMPLEMENTED YET: shipping rank 0's rows back to the driver when the workers are other
-processes (vLLM's "mp" executor, which TP > 1 always uses; `eagle3.capture.source.VllmSource` refuses
-such engines with an error naming target.tensor_parallel_size). The design: install the
-capture in every worker with `llm.collective_rpc(fn)` (fn importable from this module, as
-the mp executor pickles it by reference; `VLLM_ALLOW_INSECURE_SERIALIZATION=1`), open the
-`collecting()` block in each worker through a second collective_rpc before `prefill`, and
-close it through a third whose return value is rank 0's per-prompt states (the other ranks
-return None), so only rank 0's rows cross the process boundary. For large batches rank 0
-would rather write the shard itself (or hand a shared-memory handle) than pickle tensors.
-Another route, also not done: vLLM's "external_launcher" executor under torchrun, where each
-rank holds its own in-process engine; the rank check above then works as is, and only rank 0
-may run extract's store writer.
+Shipping rank 0's rows from vLLM's worker processes (its "mp" executor, which TP > 1 uses) to
+the driver: eagle3.capture.tp_capture installs this capture in every worker through
+`llm.collective_rpc`, and only rank 0's states come back. Another route, not taken: vLLM's
+"external_launcher" executor under torchrun, where each rank holds its own in-process engine.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ prompt, the states at the requested layer ids (vLLM's convention, eagle3.capture
 [T, len(layer_ids), H], rows in token order, on whatever device the backend keeps them.
 
 - `VllmSource`: in-process vLLM with a patched inner forward (eagle3.capture.hooks); the production path.
+- `TensorParallelVllmSource` (eagle3.capture.tp_capture): the same capture inside each TP worker process.
 - `HFSource` (eagle3.capture.hf_source): transformers with forward hooks; reference, small targets, benchmark.
 
 `open_source` picks one from `extract.backend` and the engine object the caller loaded.
@@ -39,7 +40,8 @@ class VllmSource:
         from eagle3.capture import vllm_adapter
         from eagle3.capture.layers import resolve_decoder_stack
 
-        _refuse_multiprocess_tp(llm)
+        if vllm_adapter.tensor_parallel_size(llm) > 1:
+            raise ValueError("VllmSource needs an in-process engine (TP 1); open_source picks TensorParallelVllmSource for TP > 1")
         self._llm = llm
         self._hidden_size = hidden_size
         self._stack = resolve_decoder_stack(vllm_adapter.torch_module(llm))
@@ -69,26 +71,15 @@ class VllmSource:
             self._capture = None
 
 
-def _refuse_multiprocess_tp(llm: object) -> None:
-    """TP > 1 puts the model in worker processes, which this source cannot reach yet (eagle3.capture.hooks: tensor parallelism).
-
-    Reads the engine's parallel config: vLLM-specific, so it should move into eagle3.capture.vllm_adapter.
-    """
-    from eagle3.capture.vllm_adapter import VllmUnsupported
-
-    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
-    size = int(getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1))
-    if size > 1:
-        raise VllmUnsupported(
-            f"extraction with target.tensor_parallel_size={size} is not implemented yet: the model runs in {size} worker "
-            "processes and the capture ships no rows back from them (design in eagle3.capture.hooks); "
-            "set target.tensor_parallel_size=1, or extract.backend='hf' for targets that fit one device"
-        )
-
-
 def open_source(backend: Backend, engine: object, *, hidden_size: int, batch_tokens: int) -> HiddenStateSource:
     """The source for `backend` over `engine` (a vllm.LLM for "vllm", a transformers model for "hf")."""
     if backend == "vllm":
+        from eagle3.capture import vllm_adapter
+
+        if vllm_adapter.tensor_parallel_size(engine) > 1:
+            from eagle3.capture.tp_capture import TensorParallelVllmSource
+
+            return TensorParallelVllmSource(engine, hidden_size)
         return VllmSource(engine, hidden_size)
     if backend == "hf":
         if not isinstance(engine, nn.Module):

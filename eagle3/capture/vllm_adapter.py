@@ -141,6 +141,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(spec.kv_cache_gib))))
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads the V1 runner's row map
+    _tensor_parallel_env(spec)
     vllm = _import_vllm()
     attention_backend = mla_attention_backend(spec.model_dir, spec.dtype, spec.attention_backend)
     checked = target_preflight(Path(spec.model_dir), spec.tensor_parallel_size, spec.kv_cache_gib)
@@ -219,17 +220,22 @@ def torch_module(llm) -> nn.Module:  # noqa: ANN001 - vllm.LLM
 
 
 def row_source(llm) -> RowSource:  # noqa: ANN001 - vllm.LLM
-    """The model runner's row map of the forward pass in flight, for HiddenStateCapture(row_source=...).
+    """The model runner's row map of the forward pass in flight, for HiddenStateCapture(row_source=...),
+    of an in-process engine (TP 1). See runner_row_source."""
+    return runner_row_source(llm.collective_rpc(lambda worker: worker.model_runner)[0])
 
-    In-process engines with vLLM's V1 model runner (`GPUModelRunner` and its CPU subclass) only:
-    the batch is laid out in its input batch's request order, request i owning rows
-    query_start_loc[i]:query_start_loc[i+1] from position num_computed_tokens[i]; its prompt
-    comes from the runner's request state. Model Runner V2 (vLLM's default on GPUs with Triton)
-    keeps its batch elsewhere: refused here, with the way out named.
+
+def runner_row_source(runner) -> RowSource:  # noqa: ANN001 - a vLLM V1 model runner
+    """The row map of `runner`'s forward pass in flight (in its own process: a TP worker's too).
+
+    vLLM's V1 model runner (`GPUModelRunner` and its CPU subclass) only: the batch is laid out in
+    its input batch's request order, request i owning rows query_start_loc[i]:query_start_loc[i+1]
+    from position num_computed_tokens[i]; its prompt comes from the runner's request state. Model
+    Runner V2 (vLLM's default on GPUs with Triton) keeps its batch elsewhere: refused here, with
+    the way out named.
     """
     from eagle3.capture.hooks import RowSpan
 
-    runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
     batch = getattr(runner, "input_batch", None)
     if not all(hasattr(o, a) for o, a in ((batch, "req_ids"), (batch, "num_computed_tokens_cpu"),
                                           (runner, "query_start_loc"), (runner, "requests"))):
@@ -250,6 +256,38 @@ def row_source(llm) -> RowSource:  # noqa: ANN001 - vllm.LLM
         return out
 
     return spans
+
+
+def tensor_parallel_size(llm) -> int:  # noqa: ANN001 - vllm.LLM
+    """The engine's TP size (its workers are other processes when > 1)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return int(getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1))
+
+
+def cpu_thread_binding(ranks: int, cpus: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers: the allowed cores split into contiguous
+    groups, one per rank ("0|1" for 2 ranks on 2 cores). vllm-cpu refuses TP > 1 without it on a
+    machine with one NUMA node ("Not enough allowed NUMA nodes to bind threads")."""
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        raise VllmUnsupported(f"target.tensor_parallel_size={ranks} needs at least {ranks} CPU cores on the CPU build, "
+                              f"this process may use {len(cpus)}; lower target.tensor_parallel_size")
+    per = len(cpus) // ranks
+    groups = [cpus[i * per : (i + 1) * per] for i in range(ranks)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+def _tensor_parallel_env(spec: EngineSpec) -> None:
+    """What a TP > 1 engine needs in this process's environment before it starts its workers."""
+    import torch
+
+    if spec.tensor_parallel_size == 1:
+        return
+    # the capture's functions travel to the workers through collective_rpc (eagle3.capture.tp_capture)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tensor_parallel_size,
+                                                                              sorted(os.sched_getaffinity(0))))
 
 
 def _generate(llm, prompts: Sequence[Sequence[int]], params):  # noqa: ANN001, ANN202 - vllm.LLM, SamplingParams -> outputs

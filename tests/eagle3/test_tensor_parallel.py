@@ -1,14 +1,13 @@
-"""Tensor parallelism, what the CPU can show: only TP rank 0 copies rows; the rank comes from vLLM / torch.distributed.
-
-Not covered (no multi-process TP here): shipping rank 0's rows from vLLM's worker processes to
-the driver, which is not implemented (eagle3.capture.hooks's docstring has the design); engines with
-tensor_parallel_size > 1 are refused instead, and that refusal is tested.
-"""
+"""Tensor parallelism on the CPU: only TP rank 0 copies rows; the rank comes from vLLM / torch.distributed;
+a TP=2 engine (vLLM's mp executor, real worker processes) captures what the TP=1 engine does."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +16,9 @@ import torch.multiprocessing as mp
 from eagle3.capture import vllm_adapter
 from eagle3.capture.hooks import HiddenStateCapture, tensor_parallel_rank
 from eagle3.capture.layers import resolve_decoder_stack
-from eagle3.capture.source import VllmSource
 
 IDS, H = [2, 8], 64
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
 
 
@@ -60,14 +59,47 @@ def test_the_in_process_engine_is_tp_rank_0_by_vllms_own_parallel_state(engine):
     assert tensor_parallel_rank() == 0
 
 
-def test_an_engine_with_tensor_parallel_size_2_is_refused_naming_the_setting(engine):
-    parallel = engine.llm_engine.vllm_config.parallel_config
-    parallel.tensor_parallel_size = 2
+TP_SCRIPT = """
+import multiprocessing, sys, torch
+from eagle3.capture import vllm_adapter
+from eagle3.capture.source import open_source
+from eagle3.capture.tp_capture import TensorParallelVllmSource
+
+def states(tp, prompts):
+    spec = vllm_adapter.EngineSpec(model_dir=sys.argv[1], dtype="float32", max_model_len=256, kv_cache_gib=1,
+                                   tensor_parallel_size=tp, trust_remote_code=False, seed=0)
+    llm = vllm_adapter.acquire(spec)
+    source = open_source("vllm", llm, hidden_size=%(H)d, batch_tokens=4096)
+    assert isinstance(source, TensorParallelVllmSource) == (tp > 1), type(source)
     try:
-        with pytest.raises(vllm_adapter.VllmUnsupported, match=r"target\.tensor_parallel_size=2 is not implemented"):
-            VllmSource(engine, hidden_size=H)
+        return [source.capture(p, %(IDS)r) for p in prompts]
     finally:
-        parallel.tensor_parallel_size = 1
+        source.close()
+        vllm_adapter.release_all()
+
+if __name__ == "__main__":  # vLLM's workers are spawned: they import this file again
+    prompts = [%(PROMPTS)r, %(PROMPTS)r[::-1]]  # two batches through the same installed capture
+    one, two = states(1, prompts), states(2, prompts)
+    diff = max(float((a - b).abs().max()) for x, y in zip(one, two) for a, b in zip(x, y, strict=True))
+    print("workers left", [p.pid for p in multiprocessing.active_children()], flush=True)
+    print("shapes", [tuple(s.shape) for s in two[0]], "max_abs_diff", diff, flush=True)
+"""
+
+
+def test_tp2_workers_capture_the_states_of_tp1(tiny_target, tmp_path):
+    """vLLM's mp executor, 2 worker processes (one core each): the capture runs in every worker,
+    rank 0's states come back and equal the in-process TP=1 engine's within 1e-4 (fp32). In a
+    process of its own: a TP engine sets variables for its workers in os.environ (LOCAL_WORLD_SIZE,
+    LD_PRELOAD, ...) that other tests of this session should not inherit."""
+    script = tmp_path / "tp2.py"
+    script.write_text(TP_SCRIPT % {"H": H, "IDS": IDS, "PROMPTS": PROMPTS})
+    out = subprocess.run([sys.executable, str(script), str(tiny_target)], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("shapes"))
+    assert "[(4, 2, 64), (7, 2, 64)]" in line, line
+    assert float(line.split("max_abs_diff")[1]) <= 1e-4, line
+    assert "workers left []" in out.stdout, out.stdout[-2000:]  # release_all stopped both TP workers
 
 
 def _report_rank(rank: int, world: int, port: int, out: dict) -> None:
