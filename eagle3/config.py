@@ -11,15 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagle3.capture.extract import ExtractConfig
 from eagle3.capture.regenerate import RegenerateConfig
 from eagle3.data.conversations import DataConfig
-from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids
+from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems
+from eagle3.draft.ddp import DistError
 from eagle3.draft.evaluate import EvalConfig
-from eagle3.draft.train import TrainConfig
+from eagle3.draft.launch import resolve_num_processes
+from eagle3.draft.train import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
 from eagle3.gpu.cleanup import GpuCleanupConfig
 
@@ -86,6 +89,12 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
     try:
         check_aux_layer_ids(info.aux_layer_ids, info.num_layers)
     except ValueError as err:
+        problems.append(str(err))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems += parallel_problems(config.target, Path(info.model_dir), gpus)
+    try:
+        resolve_num_processes(config.train)  # more processes than GPUs; grad_accum that 'auto' does not split
+    except (TrainError, DistError) as err:
         problems.append(str(err))
     if problems:
         raise ConfigError("invalid configuration for this target: " + "; ".join(problems))

@@ -41,3 +41,15 @@ def test_pipeline_parallelism_is_refused_by_name():
     with pytest.raises(ValidationError, match="target.pipeline_parallel_size=2 is not supported"):
         TargetConfig(pipeline_parallel_size=2)
     assert "pipeline_parallel_size" not in TargetConfig().model_dump()  # fingerprints stay as they were
+
+
+def test_the_flow_refuses_them_right_after_stage_target(tiny_target):
+    """check_against_target (called by the flows as soon as stage_target has read the target)."""
+    from eagle3.config import ConfigError, build_config, check_against_target
+    from eagle3.data.target import read_target_info
+
+    config = build_config("tiny", overrides=["target.tensor_parallel_size=3"])
+    info = read_target_info(config.target, tiny_target)
+    with pytest.raises(ConfigError, match=r"target.tensor_parallel_size=3: the target's 4 attention heads"):
+        check_against_target(config, info)
+    check_against_target(build_config("tiny", overrides=["target.tensor_parallel_size=2"]), info)  # 4 heads split in 2
