@@ -95,7 +95,7 @@ def _print_outcome(state, run_dir: str, verbose: bool) -> int:  # noqa: ANN001 -
         summary = read_summary(summary_path)
         print()
         print(summary.to_markdown())
-        print(f"\nsummary: {summary_path}")
+        print(f"\nsummary: {summary_path}", flush=True)  # before an error line on stderr
     if state.is_failed():
         return _fail_run(state.result(raise_on_failure=False), run_dir, verbose)
     return 0
