@@ -1,7 +1,10 @@
 """Progress of long stages (regenerate, extract, train, evaluate): a Prefect progress artifact, a line
-in the run log, and on the console either a bar redrawn in place (a terminal) or a plain line at
-most every PLAIN_EVERY_S seconds and one when the stage is done (a file: `make demo > demo.log`
-stays short).
+in the run log, and on the console either a bar redrawn in place (a terminal) or, without one
+(`make demo > demo.log`, a worker's stdout), a few plain lines: one at each quarter done, at most
+every PLAIN_EVERY_S seconds, one every PLAIN_HEARTBEAT_S seconds when a stage is slow, and one
+when the stage is done. That bounds what a stage adds to a log file by its length in hours, not
+in steps: the demo prints about 40 lines in all, however slow the machine (the run log keeps
+a line per percent).
 
 The callback is (done, total, tokens=None, detail=""): `tokens` counts what was processed so far
 (the rate is then tokens/s, else <unit>/s), `detail` is shown as is (train: the loss). Rate and
@@ -20,7 +23,8 @@ from prefect.logging import get_run_logger
 from tasks import console
 
 BAR_WIDTH = 24
-PLAIN_EVERY_S = 30.0  # no terminal: at most one line per stage this often, plus the last one
+PLAIN_EVERY_S = 30.0  # no terminal: at most one line per stage this often, at a new quarter done, ...
+PLAIN_HEARTBEAT_S = 600.0  # ... or after this long without a line; plus the last one
 REDRAW_EVERY_S = 0.2  # a terminal: redraw at most this often
 
 
@@ -52,7 +56,7 @@ def progress_reporter(stage: str, unit: str) -> Reporter:
     """A callback that reports `stage`'s progress (see the module docstring)."""
     logger = get_run_logger()
     terminal = console.is_terminal(2)
-    state: dict[str, object] = {"percent": -1, "drawn": 0.0}
+    state: dict[str, object] = {"percent": -1, "drawn": 0.0, "quarter": 0}
 
     def report(done: int, total: int, tokens: int | None = None, detail: str = "") -> None:
         if state.get("finished") == (done, total):
@@ -85,8 +89,10 @@ def progress_reporter(stage: str, unit: str) -> Reporter:
             if finished or now - float(state["drawn"]) >= REDRAW_EVERY_S:
                 console.draw_bar(text, final=finished)
                 state["drawn"] = now
-        elif finished or now - float(state["printed"]) >= PLAIN_EVERY_S:
-            console.say(text, fd=2)
-            state["printed"] = now
+        else:
+            quarter, waited = 4 * done // max(total, 1), now - float(state["printed"])
+            if finished or (waited >= PLAIN_EVERY_S and quarter > int(state["quarter"])) or waited >= PLAIN_HEARTBEAT_S:
+                console.say(text, fd=2)
+                state["printed"], state["quarter"] = now, quarter
 
     return report

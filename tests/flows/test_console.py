@@ -3,6 +3,7 @@ and is echoed only when asked; progress prints sparse plain lines when there is 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -67,11 +68,11 @@ def test_progress_without_a_terminal_prints_sparse_plain_lines(prefect_harness, 
     @task
     def work() -> None:
         report = progress.progress_reporter("regenerate", "requests")
-        report(0, 100, 0)
-        for done in range(1, 101):
-            clock[0] += 1.0  # 100 s in all: lines at 30, 60, 90 s and the last one
-            report(done, 100, 20 * done)
-        report(100, 100, 2000)  # said again: not printed again
+        report(0, 1000, 0)
+        for done in range(1, 1001):
+            clock[0] += 7.0 if done <= 100 else 1.0  # slow at first: 600 s without a line at done 86
+            report(done, 1000, 20 * done)
+        report(1000, 1000, 20000)  # said again: not printed again
 
     @flow
     def run() -> None:
@@ -80,7 +81,8 @@ def test_progress_without_a_terminal_prints_sparse_plain_lines(prefect_harness, 
     run()
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("regenerate")]
-    assert len(lines) == 4, err
-    assert "30/100 requests" in lines[0] and "20.0 tokens/s" in lines[0] and "ETA 1:10" in lines[0]
-    assert "100/100 requests" in lines[-1] and "ETA" not in lines[-1]
+    # a heartbeat after 600 s without a line, then each quarter (30 s or more apart), then the last line
+    assert [int(re.search(r"(\d+)/1000", line).group(1)) for line in lines] == [86, 250, 500, 750, 1000], err
+    assert "2.9 tokens/s" in lines[0] and "ETA" in lines[0]  # 86 requests of 20 tokens in 602 s
+    assert "ETA" not in lines[-1]
     assert "\r" not in err
