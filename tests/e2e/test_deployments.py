@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import build_config
+from tasks.progress import BAR_WIDTH
 from tests.e2e.conftest import ROOT, _free_port
 
 SMALL = ["data.max_samples=16", "regenerate.max_new_tokens=8", "train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3",
@@ -191,7 +192,7 @@ def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retrie
     reader.join(timeout=10)
     os.close(master)
     assert all(proc.returncode == 0 for proc in procs.values()), outputs
-    assert f"train         [{'#' * 30}] 6/6 steps" in b"".join(terminal).decode(errors="replace")
+    assert f"train         [{'#' * BAR_WIDTH}] 6/6 steps" in b"".join(terminal).decode(errors="replace")
     a, b = _blocks(tmp_path / "a"), _blocks(tmp_path / "b")
     assert len(a) == len(b) == 2
     # Not vacuous: some block was asked for before the other run released one, and got only after that release.
