@@ -152,8 +152,11 @@ def child_output_to_logs(stage: str = "", engine_log: Path | None = None) -> Ite
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         sys.stdout, sys.stderr = streams
-        for stream in ours:
-            stream.close()  # closefd=False: fds 1/2 stay open
+        # `ours` are left open, not closed: a logging handler made during the stage (vLLM's, at its first
+        # import) keeps the stream it saw, and a closed one turned its later lines (a TP engine's shutdown,
+        # outside any stage) into "--- Logging error --- ValueError: I/O operation on closed file".
+        # closefd=False: they write to fds 1/2, whatever those point at then.
+        del ours
         console.restored()
         for fd, original in saved.items():
             os.dup2(original, fd)  # our write end of the pipe is gone; children may still hold theirs
