@@ -41,7 +41,7 @@ VERSIONS = {
     "vocab": "1",
     "train": "2",  # 2: the draft's residual is hidden_norm(hidden) (norm_before_residual=True)
     "export": "1",
-    "evaluate": "1",
+    "evaluate": "2",  # 2: served report ranks each difference in both runs (top-20 logprobs), proven near-ties
 }
 Progress = Callable[[int, int, int], None]  # (done, total, tokens processed so far)
 # Regenerate sends the prompts to the engine this many at a time, so that its progress moves

@@ -53,8 +53,9 @@ class EvalConfig(BaseModel):
     served_kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget of the served engines (GiB).")
     near_tie_logprob_gap: float = Field(
         default=0.25, ge=0, description="A greedy output that differs from the run without speculation counts as a "
-        "near-tie when the draft run's token is the runner-up, within this many nats of the top token, at the first "
-        "difference (bf16 logits between 16 and 32 are 0.125 apart: 0.25 is two bf16 steps)."
+        "proven near-tie when, at the first difference, each run chose its own top token and has the other run's token "
+        "within this many nats of it (eagle3.draft.served_eval; bf16 logits between 16 and 32 are 0.125 apart: 0.25 "
+        "is two bf16 steps)."
     )
 
 

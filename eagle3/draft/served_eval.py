@@ -8,12 +8,26 @@ generates greedily from held-out prompts, and vLLM's own counters give
     per_position[j]   = accepted tokens at draft position j / drafts
 
 Then the same target is loaded WITHOUT the draft (the first engine is released before) and
-generates from the same prompts. Speculative decoding must not change greedy output: the
-share of identical outputs is reported, and every output that differs is checked at its
-first differing token. A difference is a near-tie when the speculative run's token is the
-reference run's runner-up and its logprob is within `near_tie_gap` of the top token's: the
-two engines ran different batch shapes (k+1 tokens verified at once), so the logits differ
-by rounding, and where the top two are that close rounding alone picks either.
+generates from the same prompts with the same settings. Speculative decoding must not change
+greedy output: the share of identical outputs is reported, and every output that differs is
+examined at its first differing token, where both runs had seen the same tokens. Both runs
+ask vLLM for the top `TOP_LOGPROBS` logprobs of each generated token, so at that position each
+run's own distribution ranks both candidate tokens (the speculative run's logprobs are the
+target's, from its verify pass).
+
+A difference is a *proven near-tie* (`Divergence.is_near_tie`) when, at that position,
+  1. each run's token is its own top-ranked token (greedy; verification must give this), and
+  2. each run ranks the other run's token within `near_tie_gap` nats below its own:
+     0 <= ref_lp(ref_token) - ref_lp(spec_token) <= gap and 0 <= spec_lp(spec_token) - spec_lp(ref_token) <= gap.
+The target itself then scored the two tokens a hair apart, and the two runs' scores differ by
+no more than the rounding that kernels of different batch shapes make (a verify pass scores
+k+1 tokens per request at once, plain decoding one, and the two runs batch the prompts
+differently); `gap_drift` measures that rounding where the runs agree. Anything else -- a token
+outside the other run's top-n, a larger gap in either run, a token a run chose that is not its
+own top, an output that ended first -- is *unexplained*. Why the margin (default 0.25 nats): a
+logprob gap is a logit difference, and vLLM's logits leave a bf16 model in bf16, on a grid of
+0.125 for logits in [16, 32) (SmolLM2's top logits: median 25.5, 5-95% 14.7-35.3); 0.25 is two
+such steps. In float32 the two runs' gaps agree to about 1e-4 nats.
 
 A prompt is the part of a held-out sample before its first loss-masked (assistant) token:
 the chat up to and including the assistant header, which is what a user sends.
@@ -29,18 +43,63 @@ from pathlib import Path
 from eagle3.capture import vllm_adapter
 
 
+# vLLM's default `max_logprobs`: the most a request may ask for from an engine loaded without raising it.
+TOP_LOGPROBS = 20
+
+
+def rank_of(token: int | None, tops: dict[int, float]) -> int | None:
+    """1 + how many tokens of `tops` (token -> logprob) score strictly higher; None when not in `tops`."""
+    if token is None or token not in tops:
+        return None
+    return 1 + sum(lp > tops[token] for lp in tops.values())
+
+
+@dataclass(frozen=True)
+class RunView:
+    """One run's distribution at a first differing position, seen through the two candidate tokens."""
+
+    own_rank: int | None  # rank of the token this run chose (1: its top; None: not in its top-n)
+    other_rank: int | None  # rank of the other run's token (None: not in this run's top-n, or that run had ended)
+    gap: float | None  # logprob(own token) - logprob(other token) in this run; None unless both are in its top-n
+
+    @classmethod
+    def of(cls, own: int | None, other: int | None, tops: dict[int, float]) -> RunView:
+        both = own is not None and other is not None and own in tops and other in tops
+        return cls(rank_of(own, tops), rank_of(other, tops), tops[own] - tops[other] if both else None)
+
+
 @dataclass(frozen=True)
 class Divergence:
-    """Where a speculative output first differs from the reference output of the same prompt."""
+    """Where a speculative output first differs from the reference output of the same prompt, and each run's view there."""
 
     prompt_index: int
     position: int  # index among the generated tokens
     spec_token: int | None  # None: the speculative output ended here
     ref_token: int | None  # None: the reference output ended here
-    logprob_gap: float | None  # reference logprob(ref_token) - logprob(spec_token); None if not in its top-n
+    ref_view: RunView  # the reference run (no draft): own = ref_token, other = spec_token
+    spec_view: RunView  # the speculative run (target's verify pass): own = spec_token, other = ref_token
+
+    @property
+    def logprob_gap(self) -> float | None:
+        """Reference logprob(ref_token) - logprob(spec_token); None if either is outside its top-n."""
+        return self.ref_view.gap
 
     def is_near_tie(self, near_tie_gap: float) -> bool:
-        return self.logprob_gap is not None and self.logprob_gap <= near_tie_gap
+        """Proven near-tie (module docstring): each run chose its own top token, the other's within `near_tie_gap` nats."""
+        views = (self.ref_view, self.spec_view)
+        return all(v.own_rank == 1 and v.gap is not None and 0.0 <= v.gap <= near_tie_gap for v in views)
+
+
+def gap_drift(spec: vllm_adapter.GreedyOutput, ref: vllm_adapter.GreedyOutput, upto: int) -> list[float]:
+    """Rounding between the runs where they agree: at each position < `upto` (same tokens so far, same token chosen),
+    |change of the reference's top-1 minus runner-up logprob gap| from the reference run to the speculative one."""
+    drift = []
+    for i in range(min(upto, len(spec.top_logprobs), len(ref.top_logprobs))):
+        r, s, top = ref.top_logprobs[i], spec.top_logprobs[i], ref.token_ids[i]
+        second = max((t for t in r if t != top), key=r.__getitem__, default=None)
+        if second is not None and top in s and second in s:
+            drift.append(abs((r[top] - r[second]) - (s[top] - s[second])))
+    return drift
 
 
 @dataclass(frozen=True)
@@ -59,6 +118,11 @@ class ServedReport:
     generated_tokens: int = 0
     seconds_speculative: float = 0.0
     seconds_reference: float = 0.0
+    top_logprobs: int = TOP_LOGPROBS
+    agree_positions: int = 0  # positions where gap_drift was measured
+    agree_drift_max: float = 0.0  # its largest value (nats)
+    agree_drift_p99: float = 0.0  # its 99th percentile (nats)
+    agree_drift_nonzero: int = 0  # positions where it is not 0: the two engines' logits differed there at all
 
     @property
     def identical_share(self) -> float:
@@ -68,8 +132,16 @@ class ServedReport:
     def near_ties(self) -> int:
         return sum(d.is_near_tie(self.near_tie_gap) for d in self.divergences)
 
+    @property
+    def identical_share_outside_near_ties(self) -> float:
+        """Identical outputs among the prompts whose difference is not a proven near-tie (1.0: speculation changed nothing else)."""
+        judged = self.num_prompts - self.near_ties
+        return self.identical / judged if judged else 1.0
+
     def to_dict(self) -> dict[str, object]:
-        return asdict(self) | {"identical_share": self.identical_share, "near_ties": self.near_ties}
+        return asdict(self) | {"identical_share": self.identical_share, "near_ties": self.near_ties,
+                               "identical_share_outside_near_ties": self.identical_share_outside_near_ties,
+                               "near_tie": [d.is_near_tie(self.near_tie_gap) for d in self.divergences]}
 
     def to_markdown(self) -> str:
         positions = range(1, len(self.per_position) + 1)
@@ -77,19 +149,37 @@ class ServedReport:
         rule = "|---|" + "---|" * len(self.per_position)
         row = "| accepted share | " + " | ".join(f"{p:.3f}" for p in self.per_position) + " |"
         unexplained = len(self.divergences) - self.near_ties
-        gaps = [f"{d.logprob_gap:.3f}" if d.logprob_gap is not None else "not in top 2" for d in self.divergences]
         speed = ""
         if self.seconds_speculative > 0 and self.seconds_reference > 0:
             speed = f"; wall time {self.seconds_speculative:.1f} s with the draft, {self.seconds_reference:.1f} s without"
-        return (
+        text = (
             f"**Served acceptance length (vLLM's counters): {self.acceptance_length:.3f}** "
             f"({self.num_drafts} drafts of {len(self.per_position)} tokens over {self.num_prompts} prompts{speed})\n\n"
             f"{header}\n{rule}\n{row}\n\n"
             f"Greedy output identical to the run without speculation: {self.identical}/{self.num_prompts} "
-            f"({self.identical_share:.1%}); of the {len(self.divergences)} that differ, {self.near_ties} are near-ties "
-            f"(runner-up within {self.near_tie_gap} nats at the first differing token), {unexplained} are not"
-            + (f"; gaps: {', '.join(gaps)}" if gaps else "") + ".\n"
+            f"({self.identical_share:.1%}); of the {len(self.divergences)} that differ, {self.near_ties} are proven "
+            f"near-ties (each run chose its own top token and has the other's within {self.near_tie_gap} nats of it), "
+            f"{unexplained} are not. Identical outside proven near-ties: {self.identical_share_outside_near_ties:.1%}.\n"
         )
+        if self.agree_positions:
+            text += (f"\nWhere the two runs agree ({self.agree_positions} positions), their top-1 minus runner-up "
+                     f"logprob gaps differ at {self.agree_drift_nonzero}, by up to {self.agree_drift_max:.3g} nats "
+                     f"(99th percentile {self.agree_drift_p99:.3g}): the rounding between the two engines' batch shapes.\n")
+        return text + (self._divergence_table() if self.divergences else "")
+
+    def _divergence_table(self) -> str:
+        def cell(rank: int | None, gap: float | None) -> str:
+            shown = f"rank {rank}" if rank is not None else f"not in top {self.top_logprobs}"
+            return shown + (f", {gap:.3f}" if gap is not None else "")
+
+        lines = ["", "| prompt | position | reference token | speculative token | spec token in reference run "
+                 "(rank, gap) | ref token in speculative run (rank, gap) | class |", "|---|---|---|---|---|---|---|"]
+        for d in self.divergences:
+            kind = "near-tie" if d.is_near_tie(self.near_tie_gap) else "unexplained"
+            lines.append(f"| {d.prompt_index} | {d.position} | {d.ref_token} | {d.spec_token} | "
+                         f"{cell(d.ref_view.other_rank, d.ref_view.gap)} | {cell(d.spec_view.other_rank, d.spec_view.gap)} "
+                         f"| {kind} |")
+        return "\n".join(lines) + "\n"
 
 
 def heldout_prompts(samples: Iterable[tuple[Sequence[int], Sequence[int]]], max_prompts: int, max_len: int) -> list[list[int]]:
@@ -109,21 +199,25 @@ def heldout_prompts(samples: Iterable[tuple[Sequence[int], Sequence[int]]], max_
     return prompts
 
 
-def first_divergence(index: int, spec: vllm_adapter.GreedyOutput, ref: vllm_adapter.GreedyOutput) -> Divergence | None:
-    """None when both outputs are the same tokens; else where and how they first differ."""
-    if spec.token_ids == ref.token_ids:
+def first_difference(spec: Sequence[int], ref: Sequence[int]) -> int | None:
+    """Index of the first token where two outputs differ (the shorter one's length when one is a prefix); None if equal."""
+    if list(spec) == list(ref):
         return None
-    position = next(
-        (i for i, (a, b) in enumerate(zip(spec.token_ids, ref.token_ids, strict=False)) if a != b),
-        min(len(spec.token_ids), len(ref.token_ids)),
-    )
+    return next((i for i, (a, b) in enumerate(zip(spec, ref, strict=False)) if a != b), min(len(spec), len(ref)))
+
+
+def first_divergence(index: int, spec: vllm_adapter.GreedyOutput, ref: vllm_adapter.GreedyOutput) -> Divergence | None:
+    """None when both outputs are the same tokens; else where they first differ and how each run ranked the two tokens."""
+    position = first_difference(spec.token_ids, ref.token_ids)
+    if position is None:
+        return None
     spec_token = spec.token_ids[position] if position < len(spec.token_ids) else None
     ref_token = ref.token_ids[position] if position < len(ref.token_ids) else None
-    gap = None
-    tops = ref.top_logprobs[position] if position < len(ref.top_logprobs) else {}
-    if spec_token is not None and ref_token is not None and spec_token in tops and ref_token in tops:
-        gap = tops[ref_token] - tops[spec_token]
-    return Divergence(index, position, spec_token, ref_token, gap)
+    ref_tops = ref.top_logprobs[position] if position < len(ref.top_logprobs) else {}
+    spec_tops = spec.top_logprobs[position] if position < len(spec.top_logprobs) else {}
+    return Divergence(index, position, spec_token, ref_token,
+                      ref_view=RunView.of(ref_token, spec_token, ref_tops),
+                      spec_view=RunView.of(spec_token, ref_token, spec_tops))
 
 
 def served_acceptance(
@@ -149,7 +243,7 @@ def served_acceptance(
     try:
         before = vllm_adapter.spec_decode_counters(llm)
         started = time.monotonic()
-        spec = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=0)
+        spec = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS)
         seconds_spec = time.monotonic() - started
         counters = vllm_adapter.spec_decode_counters(llm).minus(before)
     finally:
@@ -158,7 +252,7 @@ def served_acceptance(
     llm = vllm_adapter.load_serving_engine(str(target_dir), **settings)
     try:
         started = time.monotonic()
-        ref = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=2)
+        ref = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS)
         seconds_ref = time.monotonic() - started
     finally:
         vllm_adapter.shutdown_engine(llm)
@@ -179,6 +273,9 @@ def build_report(
     drafts = counters.drafts
     per_pos = list(counters.accepted_per_position) + [0] * (num_draft_tokens - len(counters.accepted_per_position))
     divergences = [d for i, (s, r) in enumerate(zip(spec, ref, strict=True)) if (d := first_divergence(i, s, r))]
+    upto = {d.prompt_index: d.position for d in divergences}  # the runs agree before the first difference
+    drift = sorted(x for i, (s, r) in enumerate(zip(spec, ref, strict=True))
+                   for x in gap_drift(s, r, upto.get(i, len(r.token_ids))))
     return ServedReport(
         acceptance_length=1.0 + counters.accepted_tokens / drafts if drafts else 1.0,
         per_position=[a / drafts if drafts else 0.0 for a in per_pos[:num_draft_tokens]],
@@ -192,4 +289,8 @@ def build_report(
         generated_tokens=sum(len(o.token_ids) for o in spec),
         seconds_speculative=seconds_spec,
         seconds_reference=seconds_ref,
+        agree_positions=len(drift),
+        agree_drift_max=drift[-1] if drift else 0.0,
+        agree_drift_p99=drift[min(len(drift) - 1, int(0.99 * len(drift)))] if drift else 0.0,
+        agree_drift_nonzero=sum(x > 0 for x in drift),
     )
