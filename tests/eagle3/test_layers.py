@@ -81,6 +81,7 @@ def test_unknown_tree_names_paths_and_classes():
         def __init__(self) -> None:
             super().__init__()
             self.backbone = _Inner(3)
+            del self.backbone.norm  # with its norm, `backbone.layers` is found by structure (test_layer_resolver.py)
 
     with pytest.raises(DecoderStackNotFound) as err:
         resolve_decoder_stack(Weird())
