@@ -10,7 +10,9 @@ keep inventing others. So the resolver works in two steps:
 2. a structural search: every non-empty nn.ModuleList in the tree (and in
    `get_language_model()`'s tree) that is followed, on the same owner module, by a final
    norm (a child named like one, or whose class name contains "Norm", registered after the
-   list). Lists nested inside another candidate's layers (MoE experts) do not count.
+   list). A list alone in a thin container (PLaMo 3's `model.layers.layers`) takes the norm
+   that follows the container on its parent, which is then the inner module. Lists nested
+   inside another candidate's layers (MoE experts) do not count.
    Hybrid stacks (linear attention or Mamba layers between attention layers, of different
    classes in one list) are one stack: id k is the state entering layer k of that list.
    Several candidates left (a vision tower and a language model, say) are narrowed to the
@@ -130,18 +132,24 @@ def _candidates(model: nn.Module, seen_lists: list[str]) -> list[DecoderStack]:
     """Every ModuleList with a final norm after it, outermost only, paths from the model where reachable."""
     found: dict[int, DecoderStack] = {}
     for prefix, root in _roots(model):
-        for owner_path, owner in root.named_modules():
+        modules = dict(root.named_modules())
+        for owner_path, owner in modules.items():
             for name, child in owner.named_children():
                 if not isinstance(child, nn.ModuleList) or len(child) == 0 or id(child) in found:
                     continue
                 if all(_is_norm("", m) for m in child):  # per-layer norms, not layers
                     continue
                 path = f"{prefix}{owner_path}.{name}" if owner_path else f"{prefix}{name}"
-                norm = final_norm(owner, name, named_anywhere=False)
+                inner, norm = owner, final_norm(owner, name, named_anywhere=False)
+                if norm is None and owner_path and len(list(owner.children())) == 1:  # a thin container (Plamo3Decoder)
+                    parent_path, _, owner_name = owner_path.rpartition(".")
+                    parent = modules.get(parent_path)
+                    if parent is not None:
+                        inner, norm = parent, final_norm(parent, owner_name, named_anywhere=False)
                 classes = sorted({type(m).__name__ for m in child})
                 seen_lists.append(f"{path} ({len(child)} x {'/'.join(classes)}{'' if norm else ', no final norm'})")
                 if norm is not None:
-                    found[id(child)] = DecoderStack(inner=owner, layers=child, norm=norm, path=path)
+                    found[id(child)] = DecoderStack(inner=inner, layers=child, norm=norm, path=path)
     inside = {id(m) for stack in found.values() for layer in stack.layers for m in layer.modules()}
     return [stack for stack in found.values() if id(stack.layers) not in inside]
 

@@ -148,3 +148,12 @@ def test_get_language_model_known_path_keeps_its_prefix():
     model = _module("Wrapper", visual=nn.Linear(2, 2), _lm=lm)
     type(model).get_language_model = lambda self: self._lm
     assert resolve_decoder_stack(model).path == "get_language_model().model.layers"
+
+
+def test_a_list_in_a_thin_container_takes_the_norm_after_the_container():
+    """PLaMo 3: Plamo3Model.layers is a Plamo3Decoder owning only the list; the final norm follows it on Plamo3Model."""
+    inner = _module("Plamo3Model", embed_tokens=nn.Embedding(4, 2), layers=_module("Plamo3Decoder", layers=_layers(3)),
+                    norm=_norm())
+    model = _module("Plamo3ForCausalLM", model=inner)
+    stack = resolve_decoder_stack(model)
+    assert stack.path == "model.layers.layers" and stack.inner is inner and stack.norm is inner.norm

