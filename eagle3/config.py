@@ -92,6 +92,10 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
         problems.append(str(err))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems += parallel_problems(config.target, Path(info.model_dir), gpus)
+    if config.target.data_parallel_size > 1 and config.extract.backend != "vllm":
+        problems.append(f"target.data_parallel_size={config.target.data_parallel_size} runs vLLM engines, but "
+                        f"extract.backend={config.extract.backend!r} runs one transformers model; set "
+                        "target.data_parallel_size=1 or extract.backend='vllm'")
     try:
         resolve_num_processes(config.train)  # more processes than GPUs; grad_accum that 'auto' does not split
     except (TrainError, DistError) as err:

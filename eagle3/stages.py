@@ -16,7 +16,8 @@ from pathlib import Path
 
 from eagle3.artifacts import StageRecord, building, mark_complete, read_complete, remove_stale_builds
 from eagle3.capture import vllm_adapter
-from eagle3.capture.extract import ExtractConfig, extract_store, storage_dtype
+from eagle3.capture.data_parallel import Split, extract_with_engines
+from eagle3.capture.extract import ExtractConfig, check_inputs, extract_store, storage_dtype
 from eagle3.capture.regenerate import RegenerateConfig, regenerate
 from eagle3.data import conversations
 from eagle3.data.conversations import DataConfig, DataError
@@ -71,8 +72,12 @@ def _once(load: Callable[[], object]) -> Callable[[], object]:
 
 
 # -- stage_target ------------------------------------------------------------------------
+# How the target is run, not what it computes: changing them reuses every artifact.
+RUNTIME_TARGET_SETTINGS = {"max_model_len", "kv_cache_gib", "tensor_parallel_size", "data_parallel_size"}
+
+
 def fingerprint_target(config: TargetConfig) -> str:
-    return stage_fingerprint("stage_target", config.model_dump(exclude={"max_model_len", "kv_cache_gib", "tensor_parallel_size"}), target_fingerprint(config))
+    return stage_fingerprint("stage_target", config.model_dump(exclude=RUNTIME_TARGET_SETTINGS), target_fingerprint(config))
 
 
 def run_stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str) -> StageRecord:
@@ -207,6 +212,21 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
     shards = {split: -(-len(samples) // config.samples_per_shard) for split, samples in splits.items()}
     stats: dict[str, int | float | str] = {}
+    engines_wrote: dict[str, int] | None = None
+    per_shard_all = sum(len(s.input_ids) for v in splits.values() for s in v) / max(sum(shards.values()), 1)
+    if target_config.data_parallel_size > 1 and config.backend == "vllm":
+        for split, samples in splits.items():  # bad input is refused here, before any engine starts
+            check_inputs(samples, info.aux_layer_ids, info.num_layers, target_config.max_model_len, config.too_long)
+        engines_wrote = extract_with_engines(
+            {split: Split(str(prepared.path / f"{split}.jsonl"), str(final / split)) for split in splits},
+            spec=spec, engines=target_config.data_parallel_size, config=config, aux_layer_ids=info.aux_layer_ids,
+            num_layers=info.num_layers, hidden_size=info.hidden_size, dtype=str(dtype).removeprefix("torch."),
+            max_model_len=target_config.max_model_len,
+            run_dir=Path(load_log).parent.parent,  # <run_dir>/logs/target_loads.jsonl: gpu_cleanup's record of our processes
+            progress=None if progress is None else lambda done, total: progress(done, total, int(done * per_shard_all)))
+
+        def get_engine() -> object:  # every shard is written: asking for an engine now would be a bug
+            raise RuntimeError("extract: the data-parallel engines left shards unwritten")
     offset, tokens_before = 0, 0  # one bar for both splits: the held-out shards count after the train ones
     for split, samples in splits.items():
         tokens = sum(len(s.input_ids) for s in samples)
@@ -220,6 +240,7 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
             max_model_len=target_config.max_model_len,
         )
         offset, tokens_before = offset + shards[split], tokens_before + tokens
+        written = result.shards_written if engines_wrote is None else engines_wrote[split]
         stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,
-                  f"{split}_shards_written": result.shards_written, f"{split}_shards_reused": result.shards_reused}
+                  f"{split}_shards_written": written, f"{split}_shards_reused": shards[split] - written}
     return mark_complete(final, StageRecord(stage="extract", uri=str(final), fingerprint=fp, stats=stats))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -95,6 +95,7 @@ def extract_store(
     writer_threads: int = 4,
     max_pending_shards: int = 4,
     max_model_len: int | None = None,
+    only: Collection[int] | None = None,
 ) -> ExtractStats:
     """Fill the store at `store_dir` with aux ids + final state (id N) for every sample.
 
@@ -102,14 +103,16 @@ def extract_store(
     `writer_threads` and `max_pending_shards` tune the write path only (never the output).
     `max_model_len`: the target's; a sample may have max_model_len - 1 tokens (a vLLM prefill
     samples one token), longer ones follow `config.too_long` (None: no length check).
+    `only`: the shard indices (of `shard_groups`) this call may write, the rest are left to other
+    engines writing the same store (eagle3.capture.data_parallel); None = every shard.
     Bad input raises ExtractInputError before the engine is asked for (nothing is written).
     """
     samples = check_inputs(samples, aux_layer_ids, num_layers, max_model_len, config.too_long)
     by_id = {s.id: s for s in samples}
-    groups = [[s.id for s in samples[i : i + config.samples_per_shard]] for i in range(0, len(samples), config.samples_per_shard)]
+    groups = shard_groups(samples, config.samples_per_shard)
     layer_ids = list(aux_layer_ids) + [num_layers]  # the final state (id N) is stored last
     writer = StoreWriter(store_dir, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, dtype=dtype, expected_shards=groups)
-    pending = writer.pending()
+    pending = writer.pending() if only is None else [i for i in writer.pending() if i in set(only)]
     reused = len(groups) - len(pending)
     stats = ExtractStats(len(samples), sum(len(s.input_ids) for s in samples), len(pending), reused)
     if not pending:
@@ -135,6 +138,11 @@ def extract_store(
     finally:
         source.close()
     return stats
+
+
+def shard_groups(samples: Sequence[TokenizedSample], samples_per_shard: int) -> list[list[str]]:
+    """The sample ids of each shard, in order: the store's layout, the same on every resume."""
+    return [[s.id for s in samples[i : i + samples_per_shard]] for i in range(0, len(samples), samples_per_shard)]
 
 
 def check_inputs(

@@ -3,8 +3,10 @@
 Each conversation keeps its turns up to (not including) the first assistant turn; the
 target writes that assistant turn (greedy when temperature is 0, sampled otherwise).
 
-Progress is reported per call to the engine: `requests_per_call` prompts at a time (None:
-all in one call, so the bar moves once, when every answer is in).
+Progress moves as answers finish: vLLM's `LLM.generate` reports each finished request to the
+tqdm class it is given (`use_tqdm`), and ours passes the count on (vllm_adapter._counting_bar).
+So the prompts go to the engine all in one call (`requests_per_call` None), where its scheduler
+keeps the batch full to the end; smaller calls would drain the batch at each call's tail.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3.capture import vllm_adapter
 from eagle3.data.conversations import Conversation, Message, _template_ids
 
-Progress = Callable[[int, int, int], None]  # (requests answered, requests in all, tokens generated so far)
+Progress = Callable[[int, int, int | None], None]  # (requests answered, requests in all, tokens generated so far or None)
 
 
 class RegenerateConfig(BaseModel):
@@ -77,8 +79,10 @@ def _generate_all(engine: object, prompts: list[list[int]], config: RegenerateCo
     if progress is not None:
         progress(0, len(prompts), 0)  # the engine is loaded: the rate counts from here
     for start in range(0, len(prompts), step):
+        finished = None if progress is None else (lambda n, before=len(outputs): progress(before + n, len(prompts), None))
         outputs += vllm_adapter.generate(engine, prompts[start:start + step], max_new_tokens=config.max_new_tokens,
-                                         temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+                                         temperature=config.temperature, top_p=config.top_p, seed=config.seed,
+                                         on_finished=finished)
         if progress is not None:
             progress(len(outputs), len(prompts), sum(len(t) for t in outputs))
     return outputs

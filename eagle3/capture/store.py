@@ -38,18 +38,24 @@ Shards are written under a temporary name and renamed when complete, so a shard 
 under its final name is always whole; the sha256 is computed from the bytes as they are
 written (no second read). The manifest is rewritten (atomically) after every shard, so a
 killed writer resumes at the first shard that is missing or whose checksum does not match.
-`write_shard` may be called from several threads at once (extract's writer pool does).
+`write_shard` may be called from several threads at once (extract's writer pool does), and
+several processes may write one store at once (data-parallel engines, each its own shards):
+the manifest is rewritten under an flock on `.manifest.lock`, merged with the entries the
+others wrote, so it lists every finished shard whoever wrote it. A temporary file is
+removed at start only when the process named in its name is gone (it may be another
+writer's shard in progress).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import fcntl
 import os
 import re
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +63,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eagle3.artifacts import atomic_write_text, sha256_file
+from eagle3.artifacts import atomic_write_text, pid_alive, sha256_file
 
 MANIFEST = "manifest.json"
+MANIFEST_LOCK = ".manifest.lock"  # flock'ed while the manifest is merged and rewritten (several writer processes)
+_TMP_PID = re.compile(r"\.tmp-(\d+)-")
 SHARD_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\.safetensors")  # a plain file name in the store (assembled stores prefix it)
 FORMAT_VERSION = 1
 FP8 = torch.float8_e4m3fn
@@ -206,18 +214,25 @@ class StoreWriter:
     def _load_valid_entries(self) -> None:
         """Keep manifest entries whose file is present and whole; forget the rest."""
         for tmp in self.root.glob(".*.tmp-*"):
-            tmp.unlink(missing_ok=True)  # leftovers of a killed writer
+            match = _TMP_PID.search(tmp.name)
+            if match is None or int(match.group(1)) == os.getpid() or not pid_alive(int(match.group(1))):
+                tmp.unlink(missing_ok=True)  # leftovers of a killed writer (a live one's shard in progress stays)
+        self._entries.update(self._manifest_entries(verify=_shard_is_whole))
+
+    def _manifest_entries(self, verify: Callable[[Path, ShardEntry], bool]) -> dict[int, ShardEntry]:
+        """The manifest's entries that fit this store's layout and expected shards and pass `verify`."""
         path = self.root / MANIFEST
         if not path.exists():
-            return
+            return {}
         try:
             manifest = json.loads(path.read_text())
         except json.JSONDecodeError:
-            return  # unreadable manifest: every shard is re-verified by being redone
+            return {}  # unreadable manifest: every shard is re-verified by being redone
         same_layout = (manifest.get("aux_layer_ids"), manifest.get("hidden_size"), manifest.get("dtype")) == (
             self.aux_layer_ids, self.hidden_size, _dtype_name(self.dtype))
         if not same_layout:
-            return
+            return {}
+        entries = {}
         for index, raw in enumerate(manifest.get("shards", [])):
             if raw is None or index >= len(self.expected):
                 continue
@@ -225,8 +240,9 @@ class StoreWriter:
                 entry = _entry(raw, self.root)
             except (StoreError, KeyError, TypeError):
                 continue  # an edited or damaged line: that shard is redone
-            if entry.sample_ids == self.expected[index] and entry.file == shard_name(index) and _shard_is_whole(self.root, entry):
-                self._entries[index] = entry
+            if entry.sample_ids == self.expected[index] and entry.file == shard_name(index) and verify(self.root, entry):
+                entries[index] = entry
+        return entries
 
     def pending(self) -> list[int]:
         """Indices of expected shards that are missing or invalid."""
@@ -293,6 +309,14 @@ class StoreWriter:
             self._write_manifest()
 
     def _write_manifest(self) -> None:
+        with open(self.root / MANIFEST_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be merging its shards right now
+            # what other writers of this store finished since (their files were checked when written)
+            for index, entry in self._manifest_entries(verify=_same_size).items():
+                self._entries.setdefault(index, entry)
+            self._write_manifest_locked()
+
+    def _write_manifest_locked(self) -> None:
         shards = []
         for i in range(len(self.expected)):
             entry = self._entries.get(i)
@@ -322,6 +346,11 @@ def _entry(raw: dict, root: Path) -> ShardEntry:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _same_size(root: Path, entry: ShardEntry) -> bool:
+    path = root / entry.file
+    return path.is_file() and path.stat().st_size == entry.size
 
 
 def _shard_is_whole(root: Path, entry: ShardEntry) -> bool:
@@ -415,3 +444,11 @@ def is_complete(root: Path) -> bool:
     except (StoreError, json.JSONDecodeError, KeyError):
         return False
     return True
+
+
+def shards_listed(root: Path) -> int:
+    """How many shards the manifest at `root` lists as written (0 before the first); cheap, for progress."""
+    try:
+        return sum(raw is not None for raw in json.loads((Path(root) / MANIFEST).read_text()).get("shards", []))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return 0

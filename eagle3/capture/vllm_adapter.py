@@ -31,10 +31,11 @@ Workarounds for vLLM bugs, each applied only where the bug exists:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -290,12 +291,30 @@ def _tensor_parallel_env(spec: EngineSpec) -> None:
                                                                               sorted(os.sched_getaffinity(0))))
 
 
-def _generate(llm, prompts: Sequence[Sequence[int]], params):  # noqa: ANN001, ANN202 - vllm.LLM, SamplingParams -> outputs
-    """`llm.generate` on token-id prompts; on an error, abort what is left so the engine stays usable."""
+def _counting_bar(on_finished: Callable[[int], None]):  # noqa: ANN202 - a tqdm factory
+    """A tqdm factory for `LLM.generate(use_tqdm=...)` (vLLM takes a tqdm class there): a real tqdm
+    that draws nothing and calls `on_finished(requests finished so far)` each time requests finish."""
+    import io
+
+    from tqdm import tqdm
+
+    class CountingBar(tqdm):
+        def update(self, n: float | None = 1) -> bool | None:
+            drawn = super().update(n)
+            on_finished(int(self.n))
+            return drawn
+
+    return functools.partial(CountingBar, file=io.StringIO(), mininterval=3600)
+
+
+def _generate(llm, prompts: Sequence[Sequence[int]], params, on_finished: Callable[[int], None] | None = None):  # noqa: ANN001, ANN202
+    """`llm.generate` on token-id prompts (vllm.LLM, SamplingParams -> outputs); on an error, abort what is
+    left so the engine stays usable. `on_finished(n)`: called as requests finish, n = finished so far."""
     from vllm.inputs import TokensPrompt
 
+    use_tqdm = False if on_finished is None else _counting_bar(on_finished)
     try:
-        return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=use_tqdm)
     except BaseException:
         engine = llm.llm_engine
         stuck = list(getattr(getattr(engine, "output_processor", None), "request_states", None) or [])
@@ -318,11 +337,13 @@ def generate(
     temperature: float,
     top_p: float,
     seed: int,
+    on_finished: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
-    """Generate from token-id prompts; returns the generated token ids, in prompt order."""
+    """Generate from token-id prompts; returns the generated token ids, in prompt order.
+    `on_finished(n)`: called each time requests finish, n = requests finished so far."""
     vllm = _import_vllm()
     params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    outputs = _generate(llm, prompts, params)
+    outputs = _generate(llm, prompts, params, on_finished)
     return [list(out.outputs[0].token_ids) for out in outputs]
 
 

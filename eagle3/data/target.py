@@ -7,6 +7,7 @@ only `embed_tokens`, the final norm and `lm_head` out for training (eagle3.draft
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,11 @@ class TargetConfig(BaseModel):
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM tensor parallel size: GPUs one engine spreads the target over. Must divide "
         "the target's attention heads (checked against its config.json once stage_target has read it)"
+    )
+    data_parallel_size: int = Field(
+        default=1, ge=1, description="Extraction engines that run at once, each a whole vLLM engine over "
+        "tensor_parallel_size GPUs of its own (on the CPU build: its own share of the cores), each writing its share "
+        "of the shards into the one store. Needs data_parallel_size x tensor_parallel_size GPUs; the other stages use one engine"
     )
     pipeline_parallel_size: int = Field(
         default=1, ge=1, exclude=True,  # only 1 is valid: kept out of dumps, so no fingerprint changes
@@ -179,11 +185,13 @@ def read_target_info(config: TargetConfig, model_dir: Path) -> TargetInfo:
     )
 
 
-def parallel_problems(config: TargetConfig, model_dir: Path, visible_gpus: int) -> list[str]:
+def parallel_problems(config: TargetConfig, model_dir: Path, visible_gpus: int, cpu_cores: int | None = None) -> list[str]:
     """What vLLM would refuse about `target.tensor_parallel_size` for this target, found before any
     engine starts: heads that do not split over the ranks, more GPUs than are visible (`visible_gpus`
-    0 = the CPU build, where ranks are processes sharing the cores)."""
-    tp = config.tensor_parallel_size
+    0 = the CPU build, where ranks are processes sharing the `cpu_cores` cores this process may use),
+    also counting `target.data_parallel_size` engines."""
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    cpu_cores = len(os.sched_getaffinity(0)) if cpu_cores is None else cpu_cores
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     text = raw.get("text_config") or raw
     heads = int(text.get("num_attention_heads", 0))
@@ -199,4 +207,15 @@ def parallel_problems(config: TargetConfig, model_dir: Path, visible_gpus: int) 
     if visible_gpus and tp > visible_gpus:
         problems.append(f"target.tensor_parallel_size={tp}, but {visible_gpus} GPU(s) are visible (CUDA_VISIBLE_DEVICES); "
                         f"set target.tensor_parallel_size to at most {visible_gpus}")
+    elif visible_gpus and dp * tp > visible_gpus:
+        problems.append(f"target.data_parallel_size={dp} engines x target.tensor_parallel_size={tp} GPUs each needs {dp * tp} "
+                        f"GPUs, {visible_gpus} are visible (CUDA_VISIBLE_DEVICES); set target.data_parallel_size to at most "
+                        f"{visible_gpus // tp}")
+    elif not visible_gpus and tp > cpu_cores:
+        problems.append(f"target.tensor_parallel_size={tp} needs {tp} CPU cores on the CPU build (one per rank), this "
+                        f"process may use {cpu_cores}; set target.tensor_parallel_size to at most {cpu_cores}")
+    elif not visible_gpus and dp * tp > cpu_cores:
+        problems.append(f"target.data_parallel_size={dp} x target.tensor_parallel_size={tp} needs {dp * tp} CPU cores on the "
+                        f"CPU build (one per rank), this process may use {cpu_cores}; set target.data_parallel_size to at most "
+                        f"{max(1, cpu_cores // tp)}")
     return problems

@@ -123,3 +123,17 @@ def test_unsupported_vllm_version_names_the_range():
     with pytest.raises(vllm_adapter.VllmUnsupported, match=r"0\.31\.0.*>=0\.32,<0\.34"):
         vllm_adapter.check_version("0.31.0")
     vllm_adapter.check_version("0.32.0")
+
+
+def test_generation_reports_each_answer_as_it_finishes_and_answers_as_without_a_bar(engine):
+    """Regenerate's bar moves while vLLM works through one call, not once at its end."""
+    prompts = _prompts(12, seed=3)
+    lengths = [1 + 4 * (i % 6) for i in range(len(prompts))]  # answers finish at different steps
+    finished: list[int] = []
+    got = [vllm_adapter.generate(engine, [p], max_new_tokens=n, temperature=0.0, top_p=1.0, seed=0)[0]
+           for p, n in zip(prompts, lengths)]
+    vllm = vllm_adapter._import_vllm()
+    outputs = vllm_adapter._generate(engine, prompts, [vllm.SamplingParams(max_tokens=n, temperature=0.0) for n in lengths],
+                                     on_finished=finished.append)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == got
+    assert finished == sorted(finished) and finished[-1] == len(prompts) and len(set(finished)) >= 3, finished

@@ -17,15 +17,15 @@ def _target(tmp_path, **config):  # noqa: ANN001, ANN202
 
 def test_tp_that_does_not_split_the_heads_names_the_setting_and_the_choices(tmp_path):
     smollm2_like = _target(tmp_path, num_attention_heads=9, num_key_value_heads=3)
-    assert parallel_problems(TargetConfig(tensor_parallel_size=3), smollm2_like, 0) == []
-    (problem,) = parallel_problems(TargetConfig(tensor_parallel_size=2), smollm2_like, 0)
+    assert parallel_problems(TargetConfig(tensor_parallel_size=3), smollm2_like, 0, cpu_cores=64) == []
+    (problem,) = parallel_problems(TargetConfig(tensor_parallel_size=2), smollm2_like, 0, cpu_cores=64)
     assert "target.tensor_parallel_size=2" in problem and "9 attention heads" in problem and "[1, 3, 9]" in problem
 
 
 def test_kv_heads_must_split_or_replicate_evenly(tmp_path):
     gqa = _target(tmp_path, num_attention_heads=24, num_key_value_heads=8)
-    assert parallel_problems(TargetConfig(tensor_parallel_size=8), gqa, 0) == []
-    (problem,) = parallel_problems(TargetConfig(tensor_parallel_size=6), gqa, 0)
+    assert parallel_problems(TargetConfig(tensor_parallel_size=8), gqa, 0, cpu_cores=64) == []
+    (problem,) = parallel_problems(TargetConfig(tensor_parallel_size=6), gqa, 0, cpu_cores=64)
     assert "8 KV heads" in problem
 
 
