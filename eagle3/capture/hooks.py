@@ -169,22 +169,33 @@ class HiddenStateCapture:
 
     # -- collecting -------------------------------------------------------------------
     @contextlib.contextmanager
-    def collecting(self, prompts: Sequence[Sequence[int]], hidden_size: int) -> Iterator[list[torch.Tensor]]:
+    def collecting(self, prompts: Sequence[Sequence[int]], hidden_size: int,
+                   buffer: torch.Tensor | None = None) -> Iterator[list[torch.Tensor]]:
         """Within the block, forward passes fill one [T_i, n_ids, H] tensor per prompt.
 
+        `buffer`: where the states go, one flat tensor of this capture's dtype holding the prompts'
+        tensors one after another (e.g. shared memory another process reads); None: fresh tensors.
         On a TP rank other than 0 the block yields [] and the forward passes run untouched.
         """
         if self.rank() != 0:
             yield []  # no buffers: _requests stays None, so the patch and the hooks pass through
             return
         n_ids = len(self.layer_ids)
+        if buffer is None:
+            states = [torch.zeros(len(p), n_ids, hidden_size, dtype=self.dtype) for p in prompts]
+        else:
+            total = sum(len(p) for p in prompts)
+            if buffer.dtype != self.dtype or buffer.numel() != total * n_ids * hidden_size:
+                raise CaptureError(f"buffer of {buffer.numel()} {buffer.dtype}; expected {total * n_ids * hidden_size} "
+                                   f"{self.dtype} ({total} tokens x {n_ids} layers x {hidden_size})")
+            states = list(buffer.view(total, n_ids, hidden_size).split([len(p) for p in prompts]))
         self._requests = [
             _Request(
                 tokens=torch.as_tensor(list(p), dtype=torch.int64),
-                states=torch.zeros(len(p), n_ids, hidden_size, dtype=self.dtype),
+                states=rows,
                 coverage=torch.zeros(len(p), n_ids, dtype=torch.int32),
             )
-            for p in prompts
+            for p, rows in zip(prompts, states)
         ]
         self._bound, self._unbound = {}, {}
         for i, p in enumerate(prompts):

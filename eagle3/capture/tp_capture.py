@@ -8,27 +8,35 @@ which runs a function in every worker and returns the list of results in rank or
     install   each worker resolves its decoder stack and installs the capture, with the row map
               of its own model runner (`vllm_adapter.runner_row_source`);
     open      each worker opens a `collecting()` block for the prompts of this batch: rank 0
-              allocates the per-prompt buffers, the other ranks none (their hooks copy nothing);
+              writes its rows straight into a file in shared memory (/dev/shm) that the driver
+              named, the other ranks allocate nothing (their hooks copy nothing);
     prefill   the driver runs the batch (vllm_adapter.prefill), every rank the same forward;
     close     each worker closes the block (rank 0 checks every position was captured once) and
-              returns its states: rank 0 the per-prompt tensors, the others None.
+              says whether it wrote the file; the driver maps the file, unlinks it, and hands the
+              states on as views of that memory.
 
-So only rank 0's rows cross a process boundary, once per batch, through vLLM's own RPC channel
-(pickled; the states of one extract batch, `extract.batch_tokens` x (n_aux+1) x H floats). Why
-collective_rpc and not a `worker_extension_cls`: the capture needs no state at engine start, the
-functions are plain module functions any vLLM with collective_rpc can run, and nothing of ours
-has to be named when the engine is created. Each call needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
-(functions travel by reference to this module), which the adapter sets for TP engines.
-
-Not done: rank 0 writing shards itself (or handing a shared-memory handle) instead of returning
-tensors, which would spare the copy through the driver for large batches.
+So the states cross from rank 0 to the driver without being pickled or copied: the hooks'
+row copies land in pages the driver then maps (the RPC carries only the prompts and a path).
+A killed driver leaves at most one batch's file, removed by the next capture whose install
+finds its driver pid gone. Why collective_rpc and not a `worker_extension_cls`: the capture
+needs no state at engine start, the functions are plain module functions any vLLM with
+collective_rpc can run, and nothing of ours has to be named when the engine is created. Each
+call needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (functions travel by reference to this module),
+which the adapter sets for TP engines. The driver and the workers are on one host (vLLM's mp
+executor), so they share /dev/shm.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
+from eagle3.artifacts import pid_alive
 
 # Per worker process: the capture installed by `_install`, and the open `collecting()` block.
 _ACTIVE: dict[str, object] = {}
@@ -48,21 +56,43 @@ def _install(worker, layer_ids: list[int]) -> int:  # noqa: ANN001 - a vLLM work
     return capture.rank()
 
 
-def _open(worker, prompts: list[list[int]], hidden_size: int) -> None:  # noqa: ANN001
-    block = _ACTIVE["capture"].collecting(prompts, hidden_size)
+SHM_PREFIX = "eagle3-tp-states-"  # + driver pid + batch number
+_BATCHES = itertools.count()
+
+
+def shm_dir() -> Path:
+    """Where rank 0 and the driver share a batch's states: /dev/shm (memory), else the temp folder."""
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _open(worker, prompts: list[list[int]], hidden_size: int, path: str) -> None:  # noqa: ANN001
+    capture = _ACTIVE["capture"]
+    buffer = None
+    if capture.rank() == 0:  # the states land in the driver's file: nothing to pickle at close
+        numel = sum(len(p) for p in prompts) * len(capture.layer_ids) * hidden_size
+        buffer = torch.from_file(path, shared=True, size=numel, dtype=capture.dtype)
+    block = capture.collecting(prompts, hidden_size, buffer=buffer)
     _ACTIVE["block"], _ACTIVE["states"] = block, block.__enter__()
 
 
-def _close(worker, failed: bool) -> list[torch.Tensor] | None:  # noqa: ANN001
-    """End the batch's block; rank 0 returns its states (checked complete), other ranks None."""
+def _close(worker, failed: bool) -> bool:  # noqa: ANN001
+    """End the batch's block; True on rank 0 when the file holds every state (checked complete)."""
     block, states = _ACTIVE.pop("block", None), _ACTIVE.pop("states", None)
     if block is None:
-        return None
+        return False
     if failed:  # the batch did not run to the end: drop the buffers without the completeness check
         block.__exit__(RuntimeError, RuntimeError("batch failed"), None)
-        return None
+        return False
     block.__exit__(None, None, None)
-    return list(states) if states else None
+    return bool(states)
+
+
+def _remove_stale_files() -> None:
+    """Batch files whose driver is gone (a killed run): nobody will map them again."""
+    for path in shm_dir().glob(f"{SHM_PREFIX}*"):
+        pid = path.name.removeprefix(SHM_PREFIX).split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
 
 
 def _remove(worker) -> None:  # noqa: ANN001
@@ -73,7 +103,8 @@ def _remove(worker) -> None:  # noqa: ANN001
 
 
 class TensorParallelVllmSource:
-    """vLLM engine with TP > 1 (workers in other processes). States come back on the CPU, float32."""
+    """vLLM engine with TP > 1 (workers in other processes). States come back on the CPU, float32
+    (the capture's dtype), as views of the memory rank 0 wrote."""
 
     def __init__(self, llm: object, hidden_size: int) -> None:
         self._llm = llm
@@ -85,20 +116,28 @@ class TensorParallelVllmSource:
         from eagle3.capture.hooks import CaptureError
 
         if self._layer_ids != list(layer_ids):
+            _remove_stale_files()
             ranks = self._llm.collective_rpc(_install, args=(list(layer_ids),))
             if sorted(ranks) != list(range(len(ranks))):
                 raise CaptureError(f"the TP workers report ranks {ranks}; expected 0..{len(ranks) - 1} once each")
             self._layer_ids = list(layer_ids)
-        self._llm.collective_rpc(_open, args=([list(p) for p in prompts], self._hidden_size))
+        path = shm_dir() / f"{SHM_PREFIX}{os.getpid()}-{next(_BATCHES)}"
+        lengths = [len(p) for p in prompts]
         try:
-            vllm_adapter.prefill(self._llm, prompts)
-        except BaseException:
-            self._llm.collective_rpc(_close, args=(True,))
-            raise
-        results = [r for r in self._llm.collective_rpc(_close, args=(False,)) if r is not None]
-        if len(results) != 1:
-            raise CaptureError(f"{len(results)} TP workers returned states; expected exactly one (TP rank 0)")
-        return results[0]
+            self._llm.collective_rpc(_open, args=([list(p) for p in prompts], self._hidden_size, str(path)))
+            try:
+                vllm_adapter.prefill(self._llm, prompts)
+            except BaseException:
+                self._llm.collective_rpc(_close, args=(True,))
+                raise
+            wrote = sum(self._llm.collective_rpc(_close, args=(False,)))
+            if wrote != 1:
+                raise CaptureError(f"{wrote} TP workers wrote states; expected exactly one (TP rank 0)")
+            n_ids = len(layer_ids)
+            flat = torch.from_file(str(path), shared=True, size=sum(lengths) * n_ids * self._hidden_size, dtype=torch.float32)
+        finally:
+            path.unlink(missing_ok=True)  # the mapping stays valid; the memory is freed with the last view
+        return list(flat.view(sum(lengths), n_ids, self._hidden_size).split(lengths))
 
     def close(self) -> None:
         if self._layer_ids is not None:

@@ -60,7 +60,7 @@ def test_the_in_process_engine_is_tp_rank_0_by_vllms_own_parallel_state(engine):
 
 
 TP_SCRIPT = """
-import multiprocessing, sys, torch
+import multiprocessing, os, sys, torch
 from eagle3.capture import vllm_adapter
 from eagle3.capture.source import open_source
 from eagle3.capture.tp_capture import TensorParallelVllmSource
@@ -82,13 +82,15 @@ if __name__ == "__main__":  # vLLM's workers are spawned: they import this file 
     one, two = states(1, prompts), states(2, prompts)
     diff = max(float((a - b).abs().max()) for x, y in zip(one, two) for a, b in zip(x, y, strict=True))
     print("workers left", [p.pid for p in multiprocessing.active_children()], flush=True)
+    from eagle3.capture.tp_capture import SHM_PREFIX, shm_dir
+    print("shared files left", sorted(str(f) for f in shm_dir().glob(f"{SHM_PREFIX}{os.getpid()}-*")), flush=True)
     print("shapes", [tuple(s.shape) for s in two[0]], "max_abs_diff", diff, flush=True)
 """
 
 
 def test_tp2_workers_capture_the_states_of_tp1(tiny_target, tmp_path):
     """vLLM's mp executor, 2 worker processes (one core each): the capture runs in every worker,
-    rank 0's states come back and equal the in-process TP=1 engine's within 1e-4 (fp32). In a
+    rank 0's states come back (through a shared-memory file, unlinked after) and equal the in-process TP=1 engine's within 1e-4 (fp32). In a
     process of its own: a TP engine sets variables for its workers in os.environ (LOCAL_WORLD_SIZE,
     LD_PRELOAD, ...) that other tests of this session should not inherit."""
     script = tmp_path / "tp2.py"
@@ -100,6 +102,7 @@ def test_tp2_workers_capture_the_states_of_tp1(tiny_target, tmp_path):
     assert "[(4, 2, 64), (7, 2, 64)]" in line, line
     assert float(line.split("max_abs_diff")[1]) <= 1e-4, line
     assert "workers left []" in out.stdout, out.stdout[-2000:]  # release_all stopped both TP workers
+    assert "shared files left []" in out.stdout, out.stdout[-2000:]  # rank 0's batch files were unlinked
 
 
 def _report_rank(rank: int, world: int, port: int, out: dict) -> None:
