@@ -88,18 +88,26 @@ if __name__ == "__main__":  # vLLM's workers are spawned: they import this file 
 """
 
 
-def test_tp2_workers_capture_the_states_of_tp1(tiny_target, tmp_path):
-    """vLLM's mp executor, 2 worker processes (one core each): the capture runs in every worker,
-    rank 0's states come back (through a shared-memory file, unlinked after) and equal the in-process TP=1 engine's within 1e-4 (fp32). In a
-    process of its own: a TP engine sets variables for its workers in os.environ (LOCAL_WORLD_SIZE,
-    LD_PRELOAD, ...) that other tests of this session should not inherit."""
+def test_tp2_workers_capture_the_states_of_tp1_on_kimi_k25(tmp_path):
+    """The target this project exists for, at TP=2: a tiny KimiK25ForConditionalGeneration (MLA,
+    MoE, the vision wrapper) on vLLM's mp executor, 2 worker processes (one core each). The capture
+    runs in every worker, rank 0's states come back (through a shared-memory file, unlinked after)
+    and equal the in-process TP=1 engine's within 1e-4 (fp32). In a process of its own: a TP engine
+    sets variables for its workers in os.environ (LOCAL_WORLD_SIZE, LD_PRELOAD, ...) that other
+    tests of this session should not inherit. (The tiny Llama's TP=2 run is the CLI's, in
+    tests/e2e/test_parallel_runs.py.)"""
+    from tests.eagle3 import arch_builders
+
+    kimi = arch_builders.build_kimi_k25(tmp_path / "kimi_k25")
+    ids = [1, 4]  # 4 layers: an aux id and the final state
     script = tmp_path / "tp2.py"
-    script.write_text(TP_SCRIPT % {"H": H, "IDS": IDS, "PROMPTS": PROMPTS})
-    out = subprocess.run([sys.executable, str(script), str(tiny_target)], capture_output=True, text=True, timeout=600,
+    script.write_text(TP_SCRIPT % {"H": arch_builders.HIDDEN, "IDS": ids, "PROMPTS": PROMPTS})
+    out = subprocess.run([sys.executable, str(script), str(kimi)], capture_output=True, text=True, timeout=600,
                          cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("shapes"))
-    assert "[(4, 2, 64), (7, 2, 64)]" in line, line
+    print(line)
+    assert f"[(4, 2, {arch_builders.HIDDEN}), (7, 2, {arch_builders.HIDDEN})]" in line, line
     assert float(line.split("max_abs_diff")[1]) <= 1e-4, line
     assert "workers left []" in out.stdout, out.stdout[-2000:]  # release_all stopped both TP workers
     assert "shared files left []" in out.stdout, out.stdout[-2000:]  # rank 0's batch files were unlinked
