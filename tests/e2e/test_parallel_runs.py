@@ -29,7 +29,9 @@ from eagle3.data.target import TargetInfo
 from eagle3.gpu.cleanup import OWN_PROCESSES_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = ["--set", "extract.samples_per_shard=1", "--set", "extract.batch_tokens=1", "--set", "train.steps=4"]
+# regenerate off: its engine is not what is tested here, and each engine load costs CI tens of seconds
+SETTINGS = ["--set", "extract.samples_per_shard=1", "--set", "extract.batch_tokens=1", "--set", "train.steps=4",
+            "--set", "regenerate.enabled=false"]
 
 
 def _cli(run_dir: Path, *extra: str) -> list[str]:
