@@ -26,6 +26,7 @@ BAR_WIDTH = 24
 PLAIN_EVERY_S = 30.0  # no terminal: at most one line per stage this often, at a new quarter done, ...
 PLAIN_HEARTBEAT_S = 600.0  # ... or after this long without a line; plus the last one
 REDRAW_EVERY_S = 0.2  # a terminal: redraw at most this often
+ETA_AFTER_FRACTION = 0.05  # an ETA is shown once this share of the work is done
 
 
 class Reporter(Protocol):
@@ -70,7 +71,8 @@ def progress_reporter(stage: str, unit: str) -> Reporter:
         rate = eta = None
         if elapsed > 0 and done > done0:
             items_per_s = (done - done0) / elapsed
-            eta = (total - done) / items_per_s
+            if done - done0 >= ETA_AFTER_FRACTION * total:  # before that it is a guess (regenerate's answers
+                eta = (total - done) / items_per_s  # come in together at the end of a batch: 1/320 said 70 hours)
             rate = (tokens - tokens0) / elapsed if tokens is not None else items_per_s
         per = "tokens" if tokens is not None else unit
         text = describe(stage, unit, done, total, rate, per, detail, eta)
