@@ -2,6 +2,8 @@
 
     eagle3 run (--preset tiny|demo | --config FILE.yaml) [--set key=value ...] [--run-dir DIR]
     eagle3 demo [--run-dir DIR]              same as: eagle3 run --preset demo
+    eagle3 sweep (--preset tiny|demo | --config FILE.yaml) --grid train.learning_rate=3e-4,1e-3 [--grid ...]
+                 [--set key=value ...] [--run-dir DIR]      one extraction, one train->export->evaluate per point
     eagle3 gpu-cleanup [--mode own|match|all] [--allow-all] [--dry-run] [--json] [--run-dir DIR]
     eagle3 nightly (--preset tiny|demo | --config FILE.yaml) [--incoming DIR] [--registry DIR] [--set key=value ...]
     eagle3 deploy [--timezone TZ] [--cron CRON] [--incoming DIR] [--registry DIR]
@@ -38,6 +40,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one setting, e.g. train.steps=100")
     run.add_argument("--run-dir", help="folder of this run (default: the preset's, e.g. runs/demo)")
     run.add_argument("--verbose", action="store_true", help="show Prefect's log on the console")
+    sweep = sub.add_parser("sweep", help="one extraction, then train -> export -> evaluate per grid point")
+    source = sweep.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=["tiny", "demo"], help="a built-in configuration")
+    source.add_argument("--config", type=Path, help="a YAML file of settings (README: Configuration)")
+    sweep.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
+                       help="a setting under train., vocab. or eval. and its values; the points are every combination")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one setting for every point, e.g. train.steps=100")
+    sweep.add_argument("--run-dir", help="folder of the sweep (default: the preset's with -sweep, e.g. runs/tiny-sweep)")
+    sweep.add_argument("--verbose", action="store_true", help="show Prefect's log on the console")
     demo = sub.add_parser("demo", help="run the embedded default (SmolLM2-135M-Instruct)")
     demo.add_argument("--run-dir", default="runs/demo")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -159,6 +171,38 @@ def _run(args: argparse.Namespace) -> int:
     return _print_outcome(state, config.run_dir, args.verbose)
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    _quiet_console(args.verbose)
+    from eagle3.config import ConfigError, build_config
+    from eagle3.ops.sweep import SWEEP_MD, default_run_dir, expand_points, parse_grid
+
+    try:
+        base = build_config(args.preset, args.config, args.overrides, args.run_dir)
+        if args.run_dir is None:
+            base = base.model_copy(update={"run_dir": default_run_dir(base.run_dir)})
+        grid = parse_grid(args.grid)
+        points = expand_points(base, grid)  # every point validated before any work
+    except ConfigError as err:
+        return _fail(str(err), 2)
+    try:
+        _prefect_api(base.run_dir)
+        from flows.sweep import sweep_eagle3
+        from tasks.gpu_slot import ensure_gpu_limit
+
+        ensure_gpu_limit()
+        print(f"eagle3 sweep: run dir {base.run_dir}; target {base.target.model}; {len(points)} points over one "
+              "extraction", flush=True)
+        state = sweep_eagle3(base, grid, return_state=True)
+    except KeyboardInterrupt:
+        return _interrupted(base.run_dir)
+    except ServerStartError as err:
+        return _fail(str(err))
+    report = Path(base.run_dir) / SWEEP_MD
+    if report.is_file():
+        print("\n" + report.read_text().rstrip() + f"\n\nsweep report: {report}")
+    return _print_outcome(state, base.run_dir, args.verbose)
+
+
 def _nightly(args: argparse.Namespace) -> int:
     _quiet_console(args.verbose)
     from eagle3.config import ConfigError
@@ -247,6 +291,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args)
     if args.command == "nightly":
         return _nightly(args)
+    if args.command == "sweep":
+        return _sweep(args)
     if args.command in ("deploy", "serve"):
         return _deploy(args)
     return _gpu_cleanup(args)

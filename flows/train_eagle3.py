@@ -19,12 +19,14 @@ id: every stage that finished comes back Cached, the failed one and those after 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3 import draft_stages, stages
+from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig, check_against_target
 from eagle3.data.target import TargetInfo
@@ -37,7 +39,67 @@ from tasks.gpu import gpu_cleanup
 from tasks.gpu_slot import gpu_slot
 from tasks.output import ENGINE_LOG
 
-__all__ = ["StageFailed", "train_eagle3"]
+__all__ = ["Chain", "StageFailed", "draft_chain", "target_stages", "train_eagle3"]
+
+
+@dataclass
+class Chain:
+    """The records of one train -> export -> evaluate chain, filled in as its stages finish."""
+
+    trained: StageRecord | None = None
+    exported: StageRecord | None = None
+    evaluated: StageRecord | None = None
+
+    def outcome(self) -> dict[str, object]:
+        """RunSummary's export_dir, acceptance_length and evaluation, for the stages that finished."""
+        out: dict[str, object] = {}
+        if self.exported is not None:
+            out["export_dir"] = self.exported.uri
+        if self.evaluated is not None:
+            out["acceptance_length"] = self.evaluated.stats["acceptance_length"]
+            out["evaluation"] = self.evaluated.uri
+        return out
+
+
+def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, cleanups: list[dict],
+                  outcome: dict[str, object]) -> tuple[StageRecord, StageRecord, StageRecord]:
+    """gpu_cleanup -> stage_target -> regenerate -> prepare_data -> extract -> gpu_cleanup, holding the
+    `gpu` slot; returns the target, prepared and extracted records (outcome gets `data`)."""
+    run_dir = Path(config.run_dir)
+    with gpu_slot(run_dir, "target"):
+        cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
+        target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
+                           config=config.target, cache_dir=config.builtin_cache)
+        check_against_target(config, TargetInfo.read(target.path))  # in seconds, not after extraction
+        regen = run.stage("regenerate", data_tasks.regenerate,
+                          stages.fingerprint_regenerate(config.regenerate, config.data, target, config.target.max_model_len),
+                          config=config.regenerate, data_config=config.data, target_config=config.target, target=target,
+                          load_log=load_log)
+        prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(config.data, regen, target),
+                             config=config.data, regenerated=regen, target=target, trust_remote_code=config.target.trust_remote_code)
+        outcome["data"] = data_report(regen, prepared)
+        extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(config.extract, config.target, prepared, target),
+                              config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
+        vllm_adapter.release_all()  # free the target's memory before training
+        cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
+    return target, prepared, extracted
+
+
+def draft_chain(run: StageRunner, config: PipelineConfig, target: StageRecord, extracted: StageRecord,
+                vocab: StageRecord, chain: Chain, tag: str = "") -> Chain:
+    """train -> export -> evaluate, holding the `gpu` slot; `chain` is filled as each stage finishes
+    (so a failure still leaves what was done). `tag` is appended to the printed stage names."""
+    with gpu_slot(Path(config.run_dir), "draft"):
+        chain.trained = run.stage("train", draft_tasks.train, draft_stages.fingerprint_train(config.train, extracted, vocab, target),
+                                  label=f"train{tag}", config=config.train, target=target, extracted=extracted, vocab=vocab)
+        chain.exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(chain.trained),
+                                   label=f"export{tag}", target=target, trained=chain.trained, vocab=vocab)
+        chain.evaluated = run.stage("evaluate", draft_tasks.evaluate,
+                                    draft_stages.fingerprint_evaluate(config.eval, chain.exported, extracted),
+                                    label=f"evaluate{tag}", config=config.eval, target=target, exported=chain.exported,
+                                    extracted=extracted)
+        vllm_adapter.release_all()
+    return chain
 
 
 @flow(name="train-eagle3", log_prints=False)
@@ -49,43 +111,18 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
     outcome: dict[str, object] = {}
     cleanups: list[dict] = []
     started = time.time()
-    trained = None
+    chain = Chain()
     try:
-        with gpu_slot(run_dir, "target"):
-            cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
-            target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
-                               config=config.target, cache_dir=config.builtin_cache)
-            check_against_target(config, TargetInfo.read(target.path))  # in seconds, not after extraction
-            regen = run.stage("regenerate", data_tasks.regenerate,
-                              stages.fingerprint_regenerate(config.regenerate, config.data, target, config.target.max_model_len),
-                              config=config.regenerate, data_config=config.data, target_config=config.target, target=target,
-                              load_log=load_log)
-            prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(config.data, regen, target),
-                                 config=config.data, regenerated=regen, target=target, trust_remote_code=config.target.trust_remote_code)
-            outcome["data"] = data_report(regen, prepared)
-            extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(config.extract, config.target, prepared, target),
-                                  config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
-            vllm_adapter.release_all()  # free the target's memory before training
-            cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
+        target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome)
         vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(config.vocab, prepared),
                           config=config.vocab, prepared=prepared, target=target)
-        with gpu_slot(run_dir, "draft"):
-            trained = run.stage("train", draft_tasks.train, draft_stages.fingerprint_train(config.train, extracted, vocab, target),
-                                config=config.train, target=target, extracted=extracted, vocab=vocab)
-            exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(trained),
-                                 target=target, trained=trained, vocab=vocab)
-            outcome["export_dir"] = exported.uri
-            evaluated = run.stage("evaluate", draft_tasks.evaluate,
-                                  draft_stages.fingerprint_evaluate(config.eval, exported, extracted),
-                                  config=config.eval, target=target, exported=exported, extracted=extracted)
-            outcome["acceptance_length"] = evaluated.stats["acceptance_length"]
-            outcome["evaluation"] = evaluated.uri
-            vllm_adapter.release_all()
+        draft_chain(run, config, target, extracted, vocab, chain)
     finally:
         vllm_adapter.release_all()
         summary = RunSummary(stages=list(run.rows), gpu_cleanup=cleanups, target_loads=loads_since(load_log, started),
-                             **outcome)
+                             **outcome, **chain.outcome())
         write_summary(run_dir / "summary.json", summary)
-        report = run_report(summary, run_dir, title="train-eagle3", sources=[trained.path if trained else None])
+        report = run_report(summary, run_dir, title="train-eagle3",
+                            sources=[chain.trained.path if chain.trained else None])
         create_markdown_artifact(key="eagle3-run-summary", markdown=report, description="stages, acceptance, plots")
     return summary
