@@ -27,8 +27,7 @@ from prefect.artifacts import create_markdown_artifact
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
-from eagle3.config import PipelineConfig, check_against_target
-from eagle3.data.target import TargetInfo
+from eagle3.config import PipelineConfig
 from eagle3.ops.summary import loads_since, write_summary
 from eagle3.ops.sweep import (
     GridAxis, PointResult, SweepPoint, SweepSummary, acceptance_figures, expand_points, ranked,
@@ -86,10 +85,8 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis]) -> SweepSummary:
     failures: list[StageFailed] = []
     started = time.time()
     try:
-        target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome)
-        info = TargetInfo.read(target.path)
-        for point in points:
-            check_against_target(point.config, info)
+        target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome,
+                                                    also_check=[p.config for p in points])
         vocabs = _vocabs(run, points, prepared, target)
         for point, vocab in zip(points, vocabs):
             console.say(f"point {point.index}/{len(points)}: {point.label()}")

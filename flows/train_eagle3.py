@@ -19,6 +19,7 @@ id: every stage that finished comes back Cached, the failed one and those after 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,15 +63,17 @@ class Chain:
 
 
 def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, cleanups: list[dict],
-                  outcome: dict[str, object]) -> tuple[StageRecord, StageRecord, StageRecord]:
+                  outcome: dict[str, object], also_check: Sequence[PipelineConfig] = ()) -> tuple[StageRecord, StageRecord, StageRecord]:
     """gpu_cleanup -> stage_target -> regenerate -> prepare_data -> extract -> gpu_cleanup, holding the
-    `gpu` slot; returns the target, prepared and extracted records (outcome gets `data`)."""
+    `gpu` slot; returns the target, prepared and extracted records (outcome gets `data`). `config` and
+    each of `also_check` (a sweep's points) are checked against the target right after stage_target."""
     run_dir = Path(config.run_dir)
     with gpu_slot(run_dir, "target"):
         cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
         target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
                            config=config.target, cache_dir=config.builtin_cache)
-        check_against_target(config, TargetInfo.read(target.path))  # in seconds, not after extraction
+        for checked in (config, *also_check):
+            check_against_target(checked, TargetInfo.read(target.path))  # in seconds, not after extraction
         regen = run.stage("regenerate", data_tasks.regenerate,
                           stages.fingerprint_regenerate(config.regenerate, config.data, target, config.target.max_model_len),
                           config=config.regenerate, data_config=config.data, target_config=config.target, target=target,

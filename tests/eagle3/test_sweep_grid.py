@@ -68,6 +68,8 @@ def test_the_report_is_sorted_by_the_served_positions_walk_with_unfinished_point
     assert rows == ["4", "3", "1", "2"]
     assert "served-positions walk" in table.splitlines()[0] and "| served |" not in table  # eval.served off
     assert "Best point: 4 (train.steps=4)" in sweep_markdown(results, ["train.steps"], "shared", None)
+    served = report_table([_result(1, 1.7).model_copy(update={"served": 1.65})], ["train.steps"])
+    assert "| served |" in served.splitlines()[0] and "| 1.650 |" in served.splitlines()[2]
 
 
 def test_figures_come_from_acceptance_json_and_the_report_is_written_with_its_plot(tmp_path):
