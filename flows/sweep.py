@@ -28,7 +28,7 @@ from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig
-from eagle3.ops.summary import loads_since, write_summary
+from eagle3.ops.summary import StageRow, loads_since, write_summary
 from eagle3.ops.sweep import (
     GridAxis, PointResult, SweepPoint, SweepSummary, acceptance_figures, expand_points, ranked,
     sweep_markdown, write_report,
@@ -66,7 +66,7 @@ def _result(point: SweepPoint, chain: Chain, state: str) -> PointResult:
                        evaluation=chain.evaluated.uri if chain.evaluated is not None else None)
 
 
-def _chain_state(rows: list) -> str:  # noqa: ANN001 - the chain's StageRows
+def _chain_state(rows: list[StageRow]) -> str:
     return "Cached" if rows and all(r.state == "Cached" for r in rows) else "Completed"
 
 
@@ -102,12 +102,12 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis]) -> SweepSummary:
             raise failures[0]
     finally:
         vllm_adapter.release_all()
-        _finish(config, grid, list(results.values()), run, cleanups, outcome, loads_since(load_log, started))
-    return SweepSummary.model_validate_json((run_dir / "summary.json").read_text())
+        summary = _finish(config, grid, list(results.values()), run, cleanups, outcome, loads_since(load_log, started))
+    return summary
 
 
 def _finish(config: PipelineConfig, grid: list[GridAxis], results: list[PointResult], run: StageRunner,
-            cleanups: list[dict], outcome: dict[str, object], loads: list[dict]) -> None:
+            cleanups: list[dict], outcome: dict[str, object], loads: list[dict]) -> SweepSummary:
     """sweep.md + plot, summary.json (the best point's figures and export), the markdown artifact."""
     run_dir = Path(config.run_dir)
     keys = [axis.key for axis in grid]
@@ -126,3 +126,4 @@ def _finish(config: PipelineConfig, grid: list[GridAxis], results: list[PointRes
     markdown = sweep_markdown(results, keys, shared, None) + "\n" + plots_section([plot] if plot else [])
     create_markdown_artifact(key="eagle3-sweep", markdown=markdown,
                              description="sweep: one row per grid point, best first; acceptance against each setting")
+    return summary
