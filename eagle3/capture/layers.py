@@ -101,11 +101,13 @@ def _is_norm(name: str, module: object) -> bool:
 
 
 def final_norm(owner: nn.Module, list_name: str, *, named_anywhere: bool = True) -> nn.Module | None:
-    """The final norm of `owner.<list_name>`: the first norm-like child registered after the list;
+    """The final norm of `owner.<list_name>`: a norm-like child registered after the list;
     with `named_anywhere` (known paths only), else a child named one of NORM_NAMES wherever it sits."""
     names = [name for name, _ in owner.named_children()]
     after = names[names.index(list_name) + 1:] if list_name in names else []
-    found = next((getattr(owner, n) for n in after if _is_norm(n, getattr(owner, n))), None)
+    # a final-norm name first (Gemma 4 registers a per_layer_projection_norm too), then any *Norm class
+    found = next((getattr(owner, n) for n in NORM_NAMES if n in after), None)
+    found = found or next((getattr(owner, n) for n in after if _is_norm(n, getattr(owner, n))), None)
     if found is None and named_anywhere:
         found = next((getattr(owner, n) for n in NORM_NAMES if isinstance(getattr(owner, n, None), nn.Module)), None)
     return found

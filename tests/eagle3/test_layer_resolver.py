@@ -157,3 +157,8 @@ def test_a_list_in_a_thin_container_takes_the_norm_after_the_container():
     model = _module("Plamo3ForCausalLM", model=inner)
     stack = resolve_decoder_stack(model)
     assert stack.path == "model.layers.layers" and stack.inner is inner and stack.norm is inner.norm
+
+
+def test_a_final_norm_name_wins_over_another_norm_after_the_list():
+    model = _module("M", body=_module("Body", layers=_layers(2), per_layer_projection_norm=_norm(), norm=_norm("FinalNorm")))
+    assert type(resolve_decoder_stack(model).norm).__name__ == "FinalNorm"
