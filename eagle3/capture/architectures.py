@@ -99,7 +99,7 @@ ROWS: tuple[Row, ...] = (
         evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[apertus]"),
     _lm("Cohere2MoeForCausalLM", "cohere2_moe", "Cohere 2 MoE", "cohere2_moe:Cohere2MoeModel", extraction=STALE_RESIDUAL,
         evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[cohere2_moe] (xfail)"),
-    _mm("CohereCompassForConditionalGeneration", "cohere_compass", "Cohere Compass (vision)",
+    _mm("CohereCompassForConditionalGeneration", "cohere_compass", "Cohere Compass (vision; its layers return (full state, stale residual) as Cohere2Moe's do)",
         "cohere_compass:CohereCompassForCausalLM", "cohere_compass:CohereCompassTextModel"),
     _lm("DeepseekV2ForCausalLM", "deepseek_v2", "DeepSeek-V2/V3 (DeepseekV3ForCausalLM subclasses it)",
         "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
