@@ -9,6 +9,8 @@ allocator warm-up excluded). Prints both figures and the ratio to N x one GPU.
 
     python benchmarks/train_scaling.py [--gpus 2] [--steps 160] [--warm 40] [--accum-per-gpu 4]
     python benchmarks/train_scaling.py --tiny --gpus 2          # CPU smoke check (gloo)
+    python benchmarks/train_scaling.py --gpus 1                 # one GPU: in-process vs torchrun with 1 process
+                                                                # (the launcher's own cost, NCCL with one rank)
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ def tokens_per_second(marks: list[tuple[float, int]], warm: int, tokens_per_step
     return (s1 - s0) * tokens_per_step / max(t1 - t0, 1e-9)
 
 
-def run(processes: int, config: TrainConfig, paths: dict, out: Path, warm: int, tokens_per_step: int) -> float:
+def run(processes: int, config: TrainConfig, paths: dict, out: Path, warm: int, tokens_per_step: int,
+        torchrun: bool = False) -> float:
     shutil.rmtree(out, ignore_errors=True)
     marks: list[tuple[float, int]] = []
     progress = lambda step, total, loss: marks.append((time.perf_counter(), step))  # noqa: E731
-    if processes == 1:
+    if processes == 1 and not torchrun:
         train_draft(config, out_dir=out, progress=progress, **paths)
     else:
         train_distributed(config, processes, out_dir=out, progress=progress, **paths)
@@ -80,7 +83,7 @@ def main() -> None:
     one = run(1, config, paths, root / "one", args.warm, tokens_per_step)
     print(f"1 process (train_draft, as the stage runs num_processes=1): {one:,.0f} tokens/s", flush=True)
     many = run(args.gpus, config.model_copy(update={"num_processes": args.gpus}), paths, root / "many", args.warm,
-               tokens_per_step)
+               tokens_per_step, torchrun=True)
     print(f"{args.gpus} processes (torchrun via eagle3.draft.launch, as the stage runs num_processes={args.gpus}): "
           f"{many:,.0f} tokens/s", flush=True)
     print(f"ratio to {args.gpus} x one: {many / (args.gpus * one):.3f}", flush=True)
