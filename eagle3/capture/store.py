@@ -40,7 +40,7 @@ written (no second read). The manifest is rewritten (atomically) after every sha
 killed writer resumes at the first shard that is missing or whose checksum does not match.
 `write_shard` may be called from several threads at once (extract's writer pool does), and
 several processes may write one store at once (data-parallel engines, each its own shards):
-the manifest is rewritten under an flock on `.manifest.lock`, merged with the entries the
+the manifest is rewritten under an flock on the store folder, merged with the entries the
 others wrote, so it lists every finished shard whoever wrote it. A temporary file is
 removed at start only when the process named in its name is gone (it may be another
 writer's shard in progress).
@@ -66,7 +66,6 @@ from safetensors import safe_open
 from eagle3.artifacts import atomic_write_text, pid_alive, sha256_file
 
 MANIFEST = "manifest.json"
-MANIFEST_LOCK = ".manifest.lock"  # flock'ed while the manifest is merged and rewritten (several writer processes)
 _TMP_PID = re.compile(r"\.tmp-(\d+)-")
 SHARD_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\.safetensors")  # a plain file name in the store (assembled stores prefix it)
 FORMAT_VERSION = 1
@@ -309,12 +308,15 @@ class StoreWriter:
             self._write_manifest()
 
     def _write_manifest(self) -> None:
-        with open(self.root / MANIFEST_LOCK, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be merging its shards right now
+        folder = os.open(self.root, os.O_RDONLY)  # the lock is on the store folder itself: no lock file is left in it
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)  # another process may be merging its shards right now
             # what other writers of this store finished since (their files were checked when written)
             for index, entry in self._manifest_entries(verify=_same_size).items():
                 self._entries.setdefault(index, entry)
             self._write_manifest_locked()
+        finally:
+            os.close(folder)  # releases the lock
 
     def _write_manifest_locked(self) -> None:
         shards = []
