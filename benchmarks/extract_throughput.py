@@ -36,7 +36,7 @@ from eagle3.data.target import default_aux_layer_ids  # noqa: E402
 
 SHAPE_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256)
-SHAPE_TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+SHAPE_TINY = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512)
 
 
