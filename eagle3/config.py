@@ -25,6 +25,7 @@ from eagle3.draft.launch import resolve_num_processes
 from eagle3.draft.train import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
 from eagle3.gpu.cleanup import GpuCleanupConfig
+from eagle3.storage import is_url
 
 PresetName = Literal["tiny", "demo"]
 
@@ -40,7 +41,10 @@ class PipelineConfig(BaseModel):
 
     run_dir: str = Field(default="runs/demo", description="Folder of this run: summary.json, logs, plots, artifacts")
     artifact_root: str | None = Field(
-        default=None, description="Where stage artifacts and cached results live (default: the artifacts folder inside run_dir)"
+        default=None,
+        description="Where stage artifacts and cached results live (default: the artifacts folder inside run_dir): a local "
+        "folder (an NFS mount shared by several machines included) or an fsspec URL (s3://bucket/prefix, gs://...), "
+        "which every machine then mirrors into <run_dir>/artifacts (eagle3.storage)",
     )
     cache_dir: str | None = Field(
         default=None,
@@ -66,7 +70,15 @@ class PipelineConfig(BaseModel):
 
     @property
     def artifacts(self) -> Path:
-        return Path(self.artifact_root) if self.artifact_root else Path(self.run_dir) / "artifacts"
+        """The local folder the stages read and write: artifact_root itself, or its local mirror for a URL."""
+        if self.artifact_root and not is_url(self.artifact_root):
+            return Path(self.artifact_root.removeprefix("file://"))
+        return Path(self.run_dir) / "artifacts"
+
+    @property
+    def artifact_url(self) -> str | None:
+        """artifact_root when it is an fsspec URL (the bucket of record), else None."""
+        return self.artifact_root if is_url(self.artifact_root) else None
 
     @property
     def builtin_cache(self) -> Path:

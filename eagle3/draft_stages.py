@@ -76,8 +76,8 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
     paths = {"store_dir": extracted.path / "train", "target_dir": Path(info.model_dir), "head_path": target.path / HEAD_FILE,
              "vocab_path": vocab.path / VOCAB_FILE, "heldout_store_dir": heldout if len(StoreReader(heldout)) else None,
              "init_from": init_from}
-    processes = resolve_num_processes(config)
-    if processes > 1:
+    processes = resolve_num_processes(config)  # per machine; train.nnodes machines (this one is node 0)
+    if processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
     else:
         result = train_draft(config, out_dir=final, progress=progress, **paths)
@@ -94,6 +94,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         "best_acceptance_length": round(best["acceptance_length"], 4) if best else -1.0,
         "init_from": str(init_from) if init_from is not None else "",
         "processes": processes,
+        "nnodes": config.nnodes,
     }
     return mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint=fp, stats=stats))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from eagle3.artifacts import StageRecord, building, mark_complete, read_complete, remove_stale_builds
 from eagle3.capture import vllm_adapter
 from eagle3.capture.data_parallel import Split, extract_with_engines
-from eagle3.capture.extract import ExtractConfig, check_inputs, extract_store, storage_dtype
+from eagle3.capture.extract import FAN_OUT_SETTINGS, ExtractConfig, check_inputs, extract_store, storage_dtype
 from eagle3.capture.regenerate import RegenerateConfig, regenerate
 from eagle3.data import conversations
 from eagle3.data.conversations import DataConfig, DataError
@@ -188,7 +188,8 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
 
 # -- extract -----------------------------------------------------------------------------
 def fingerprint_extract(config: ExtractConfig, target_config: TargetConfig, prepared: StageRecord, target: StageRecord) -> str:
-    settings = {"extract": config, "dtype": target_config.dtype, "aux_layer_ids": target.stats["aux_layer_ids"]}
+    settings = {"extract": config.model_dump(mode="json", exclude=FAN_OUT_SETTINGS), "dtype": target_config.dtype,
+                "aux_layer_ids": target.stats["aux_layer_ids"]}
     if config.too_long == "truncate":  # then max_model_len changes what is stored
         settings["max_model_len"] = target_config.max_model_len
     return stage_fingerprint("extract", settings, prepared.fingerprint, target.fingerprint)

@@ -8,6 +8,7 @@
     eagle3 nightly (--preset tiny|demo | --config FILE.yaml) [--incoming DIR] [--registry DIR] [--set key=value ...]
     eagle3 deploy [--timezone TZ] [--cron CRON] [--incoming DIR] [--registry DIR]
     eagle3 serve [--port 4200] [--api-url URL] [deploy options]
+    eagle3 train-node --spec SPEC.json --node-rank R   join, from another machine, a train stage with train.nnodes > 1
 
 `run` and `nightly` print one line per stage (stage, state, seconds, artifact), a progress bar
 for the long stages, then the result table, write <run-dir>/summary.json and exit non-zero when
@@ -71,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--cron", default="0 2 * * *", help="schedule of nightly-eagle3 (default 02:00 every day)")
         p.add_argument("--incoming", default="data/incoming", help="where dated conversation files arrive (nightly)")
         p.add_argument("--registry", default="registry", help="where promoted drafts are published (nightly)")
+        p.add_argument("--machines", type=int, default=1,
+                       help="GPU machines with a worker on the gpu pool: the pool runs this many flow runs at once")
     serve.add_argument("--port", type=int, default=4200, help="port of the Prefect server (UI and API)")
     serve.add_argument("--api-url", help="use this running Prefect server instead of starting one")
     deploy.add_argument("--api-url", help="the Prefect server (default: PREFECT_API_URL or the active profile's)")
@@ -81,7 +84,24 @@ def _parser() -> argparse.ArgumentParser:
     gpu.add_argument("--dry-run", action="store_true")
     gpu.add_argument("--json", action="store_true", help="print the report as JSON")
     gpu.add_argument("--run-dir", default=".", help="run folder whose own processes mode 'own' may stop")
+    node = sub.add_parser("train-node", help="run one more machine of a training with train.nnodes > 1 (the train "
+                          "stage on node 0 prints this command while it waits)")
+    node.add_argument("--spec", type=Path, required=True, help="the launch spec node 0 wrote, on the shared folder")
+    node.add_argument("--node-rank", type=int, required=True, help="this machine's node: 1 .. train.nnodes-1")
     return parser
+
+
+def _train_node(args: argparse.Namespace) -> int:
+    from eagle3.draft.launch import join_training
+    from eagle3.draft.train import TrainError
+
+    try:
+        join_training(args.spec, args.node_rank)
+    except TrainError as err:
+        return _fail(str(err))
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -147,6 +167,17 @@ def _interrupted(run_dir: str) -> int:
     return 130
 
 
+def _storage_problem(url: str | None, local: Path) -> str | None:
+    """A URL artifact root that cannot be written, found before a server starts or a target loads."""
+    from eagle3.storage import StorageError, open_root
+
+    try:
+        open_root(url, local)
+    except StorageError as err:
+        return str(err)
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     _quiet_console(args.verbose)
     from eagle3.config import ConfigError, build_config
@@ -156,6 +187,8 @@ def _run(args: argparse.Namespace) -> int:
         config = build_config(preset, getattr(args, "config", None), args.overrides, args.run_dir)
     except ConfigError as err:
         return _fail(str(err), 2)
+    if (problem := _storage_problem(config.artifact_url, config.artifacts)) is not None:
+        return _fail(problem, 2)
     try:
         _prefect_api(config.run_dir)
         from flows.train_eagle3 import train_eagle3
@@ -184,6 +217,8 @@ def _sweep(args: argparse.Namespace) -> int:
         points = expand_points(base, grid)  # every point validated before any work
     except ConfigError as err:
         return _fail(str(err), 2)
+    if (problem := _storage_problem(base.artifact_url, base.artifacts)) is not None:
+        return _fail(problem, 2)
     try:
         _prefect_api(base.run_dir)
         from flows.sweep import sweep_eagle3
@@ -215,6 +250,8 @@ def _nightly(args: argparse.Namespace) -> int:
         config = build_nightly_config(args.preset, args.config, overrides, args.run_dir)
     except ConfigError as err:
         return _fail(str(err), 2)
+    if (problem := _storage_problem(config.pipeline.artifact_url, config.pipeline.artifacts)) is not None:
+        return _fail(problem, 2)
     try:
         _prefect_api(config.pipeline.run_dir)
         from flows.nightly import nightly_eagle3
@@ -239,7 +276,8 @@ def _nightly(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     from flows.deploy import DeployError, DeploySettings, deploy, serve
 
-    settings = DeploySettings(timezone=args.timezone, cron=args.cron, incoming=args.incoming, registry=args.registry)
+    settings = DeploySettings(timezone=args.timezone, cron=args.cron, incoming=args.incoming, registry=args.registry,
+                              machines=args.machines)
     try:
         if args.command == "serve":
             return serve(settings, port=args.port, api_url=args.api_url, log_dir=args.log_dir)
@@ -250,8 +288,8 @@ def _deploy(args: argparse.Namespace) -> int:
         deploy(settings, args.api_url)
     except DeployError as err:
         return _fail(str(err))
-    print("eagle3 deploy: work pool 'gpu' (1 run at a time), concurrency limit 'gpu', deployments "
-          f"train-eagle3 and nightly-eagle3 (cron {args.cron!r}, {args.timezone}). Start a worker: "
+    print(f"eagle3 deploy: work pool 'gpu' ({args.machines} run(s) at a time), concurrency limit 'gpu', deployments "
+          f"train-eagle3, nightly-eagle3 and extract-part (cron {args.cron!r}, {args.timezone}). Start a worker: "
           "prefect worker start --pool gpu")
     return 0
 
@@ -295,6 +333,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _sweep(args)
     if args.command in ("deploy", "serve"):
         return _deploy(args)
+    if args.command == "train-node":
+        return _train_node(args)
     return _gpu_cleanup(args)
 
 

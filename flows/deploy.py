@@ -1,8 +1,9 @@
 """Setting up a Prefect server for eagle3: `eagle3 deploy` and `eagle3 serve`.
 
-deploy: creates the `gpu` process work pool (concurrency 1) and the `gpu` global
-concurrency limit, then applies deployments/prefect.yaml with `prefect deploy --all`
-(deployments train-eagle3 and nightly-eagle3). Idempotent: run it again after a change.
+deploy: creates the `gpu` process work pool (concurrency: one flow run per GPU machine,
+`--machines`, default 1) and the `gpu` global concurrency limit, then applies
+deployments/prefect.yaml with `prefect deploy --all` (deployments train-eagle3, nightly-eagle3
+and extract-part). Idempotent: run it again after a change.
 
 serve (one machine): starts `prefect server start --host 127.0.0.1` (or uses --api-url),
 deploys, and starts a worker on the `gpu` pool. Ctrl-C (or SIGTERM) stops the worker, then
@@ -34,6 +35,7 @@ class DeploySettings:
     cron: str = "0 2 * * *"
     incoming: str = "data/incoming"
     registry: str = "registry"
+    machines: int = 1  # GPU machines with a worker on the gpu pool: the pool runs this many flow runs at once
 
     def env(self) -> dict[str, str]:
         return {"EAGLE3_PROJECT_DIR": str(ROOT), "EAGLE3_NIGHTLY_TIMEZONE": self.timezone, "EAGLE3_NIGHTLY_CRON": self.cron,
@@ -70,7 +72,7 @@ def deploy(settings: DeploySettings, api_url: str | None = None) -> None:
 
     updates = {PREFECT_API_URL: api_url} if api_url else {}
     with temporary_settings(updates=updates):
-        ensure_work_pool()
+        ensure_work_pool(concurrency=settings.machines)
         ensure_gpu_limit()
         env = os.environ | settings.env() | ({"PREFECT_API_URL": api_url} if api_url else {})
         done = subprocess.run([sys.executable, "-m", "prefect", "deploy", "--no-prompt", "--all", "--prefect-file",

@@ -32,7 +32,7 @@ from eagle3.ops.nightly import NightlyConfig
 from eagle3.ops.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
 from eagle3.ops.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
-from flows.runner import StageRunner
+from flows.runner import StageRunner, open_runner
 from tasks import draft as draft_tasks
 from tasks import nightly as nightly_tasks
 from tasks import stages as data_tasks
@@ -128,7 +128,7 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
     run_dir = Path(p.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     load_log = run_dir / "logs" / "target_loads.jsonl"
-    run = StageRunner(p.artifacts, run_dir / "logs" / ENGINE_LOG)
+    run = open_runner(p.artifact_url, p.artifacts, run_dir)
     files = incremental.discover(config.incoming, today=config.run_date, window_days=config.window_days)
     served = read_current(config.publish.registry)
     known = set(served.data_files) if served else set()

@@ -1,7 +1,10 @@
 """Calling stage tasks from a flow: caching by fingerprint, timing, one printed line per stage.
 
 `StageRunner.stage()` runs a cached stage task (tasks.cache), `uncached()` a task that is
-never cached (gpu_cleanup, publish). Each call adds a StageRow to `rows` and prints
+never cached (gpu_cleanup, publish). With a URL artifact root (eagle3.storage.RemoteRoot)
+`stage()` first fills the local mirror from the bucket (the whole artifact, else what an
+unfinished run uploaded), uploads what the task finishes while it runs, and the whole artifact,
+marker last, when it succeeds; the record it returns names the local mirror's folder. Each call adds a StageRow to `rows` and prints
 
     <stage>        <state>     <seconds>s  <artifact>
 
@@ -22,9 +25,15 @@ from prefect.states import State
 
 from eagle3.artifacts import StageRecord
 from eagle3.ops.summary import StageRow
+from eagle3.storage import RemoteRoot, open_root
 from tasks import console
 from tasks.cache import cached
 from tasks.output import child_output_to_logs
+
+
+# Stages whose artifact names this machine's own files (stage_target records the local model folder):
+# every machine builds its own (in seconds: a config, the head weights), none is shared through the bucket.
+MACHINE_LOCAL = {"stage_target"}
 
 
 class StageFailed(RuntimeError):
@@ -46,20 +55,34 @@ def log_traceback(engine_log: Path | None, stage: str, error: BaseException) -> 
         handle.writelines(f"{stamp} {stage} [traceback] {line}\n" for line in lines)
 
 
+def open_runner(artifact_root: str | None, local: Path, run_dir: Path) -> StageRunner:
+    """The StageRunner of a flow run. A URL artifact root is checked first (a probe object written and
+    deleted): an unreachable bucket or missing credentials fail here, at the start of the run, naming
+    the URL and `artifact_root`, before any stage runs or any target is loaded."""
+    from tasks.output import ENGINE_LOG
+
+    return StageRunner(local, Path(run_dir) / "logs" / ENGINE_LOG, open_root(artifact_root, local))
+
+
 class StageRunner:
     """Calls stages in order, timing each and printing one line per stage.
 
     `engine_log`: <run_dir>/logs/engine.log, where the stages' engine output and failures go.
     """
 
-    def __init__(self, root: Path, engine_log: Path | None = None) -> None:
+    def __init__(self, root: Path, engine_log: Path | None = None, remote: RemoteRoot | None = None) -> None:
         self.root = Path(root)
         self.engine_log = Path(engine_log) if engine_log is not None else None
+        self.remote = remote
         self.rows: list[StageRow] = []
 
-    def _finish(self, name: str, state: State, started: float) -> object:  # name: the printed label
+    def _finish(self, name: str, state: State, started: float, local: Path | None = None) -> object:
+        """`name`: the printed label; `local`: the mirror folder a record's uri is rewritten to (a
+        cached result may name the folder of the machine that computed it)."""
         seconds = time.time() - started
         result = state.result(raise_on_failure=False)
+        if local is not None and isinstance(result, StageRecord):
+            result = result.model_copy(update={"uri": str(local)})
         artifact = result.uri if isinstance(result, StageRecord) else ""
         row = StageRow(name=name, state=state.name if not state.is_failed() else "Failed", seconds=round(seconds, 2), artifact=artifact)
         self.rows.append(row)
@@ -81,5 +104,51 @@ class StageRunner:
         """Run stage `name` (its artifact: <root>/<name>/<fp>); `label` is the printed name (default `name`)."""
         started = time.time()
         with child_output_to_logs(label or name, self.engine_log):
-            state = cached(task, self.root, name, fp)(**kwargs, root=self.root, fp=fp, return_state=True)
-        return self._finish(label or name, state, started)  # type: ignore[return-value]
+            if self.remote is None or name in MACHINE_LOCAL:
+                state = cached(task, self.root, name, fp)(**kwargs, root=self.root, fp=fp, return_state=True)
+            else:
+                state = self._remote_stage(name, task, fp, **kwargs)
+        mirrored = self.remote is not None and name not in MACHINE_LOCAL
+        return self._finish(label or name, state, started,  # type: ignore[return-value]
+                            self.remote.local_dir(name, fp) if mirrored else None)
+
+    def localized(self, stage: str, record: StageRecord) -> StageRecord:
+        """`record` (written on another machine) pointing at this machine's copy of its artifact, pulled
+        from the bucket first when the root is a URL."""
+        if self.remote is not None and not self.remote.pull(stage, record.fingerprint):
+            raise StageFailed(f"{stage}/{record.fingerprint} is not whole under {self.remote.url}", self.engine_log)
+        return record.model_copy(update={"uri": str(self.root / stage / record.fingerprint)})
+
+    def concurrent(self, name: str, task: Task, calls: list[tuple[str, str, dict]]) -> list[StageRecord]:
+        """Run the cached stage `name` once per (fp, label, kwargs) in `calls`, side by side (Prefect's task
+        runner threads); a row each, in order. The first failure is raised once every call has ended."""
+        started = time.time()
+        results = self.remote.results_url if self.remote is not None else None
+        futures = []
+        for fp, label, kwargs in calls:
+            if self.remote is not None:
+                self.remote.pull(name, fp)
+            futures.append((label, fp, cached(task, self.root, name, fp, results=results).submit(**kwargs, root=self.root, fp=fp)))
+        records: list[StageRecord] = []
+        failure: StageFailed | None = None
+        for label, fp, future in futures:
+            future.wait()
+            try:
+                records.append(self._finish(label, future.state, started, self.root / name / fp))  # type: ignore[arg-type]
+            except StageFailed as err:
+                failure = failure or err
+        if failure is not None:
+            raise failure
+        return records
+
+    def _remote_stage(self, name: str, task: Task, fp: str, **kwargs: object) -> State:
+        remote = self.remote
+        assert remote is not None
+        if not remote.pull(name, fp):
+            remote.pull_partial(name, fp)  # an unfinished run's shards or checkpoints, from whichever machine
+        with remote.following(name, fp):
+            state = cached(task, self.root, name, fp, results=remote.results_url)(**kwargs, root=self.root, fp=fp,
+                                                                                 return_state=True)
+        if not state.is_failed():
+            remote.push(name, fp)
+        return state

@@ -34,7 +34,7 @@ from eagle3.ops.sweep import (
     sweep_markdown, write_report,
 )
 from flows.report import plots_section
-from flows.runner import StageFailed, StageRunner
+from flows.runner import StageFailed, StageRunner, open_runner
 from flows.train_eagle3 import Chain, draft_chain, target_stages
 from tasks import console
 from tasks import draft as draft_tasks
@@ -77,7 +77,7 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis]) -> SweepSummary:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     load_log = run_dir / "logs" / "target_loads.jsonl"
-    run = StageRunner(config.artifacts, run_dir / "logs" / ENGINE_LOG)
+    run = open_runner(config.artifact_url, config.artifacts, run_dir)
     outcome: dict[str, object] = {}
     cleanups: list[dict] = []
     results: dict[int, PointResult] = {p.index: PointResult(index=p.index, settings=p.settings, state="not run")

@@ -31,10 +31,13 @@ from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig, check_against_target
 from eagle3.data.target import TargetInfo
+from eagle3.ops import incremental, parts
 from eagle3.ops.summary import RunSummary, data_report, loads_since, write_summary
 from flows.report import run_report
-from flows.runner import StageFailed, StageRunner
+from flows.runner import StageFailed, StageRunner, open_runner
 from tasks import draft as draft_tasks
+from tasks import nightly as nightly_tasks
+from tasks import parts as part_tasks
 from tasks import stages as data_tasks
 from tasks.gpu import gpu_cleanup
 from tasks.gpu_slot import gpu_slot
@@ -88,6 +91,33 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
     return target, prepared, extracted
 
 
+def fanned_out_stages(run: StageRunner, config: PipelineConfig, outcome: dict[str, object]) -> tuple[StageRecord, StageRecord]:
+    """`extract.parts` > 1: stage_target -> split_data -> part i (a flow run each on the gpu pool, side by
+    side) -> assemble; returns the target and the assembled record (prepared data and store in one).
+    This run loads no target, so it takes no `gpu` slot here: each part takes its worker's."""
+    target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
+                       config=config.target, cache_dir=config.builtin_cache)
+    check_against_target(config, TargetInfo.read(target.path))
+    count = config.extract.parts
+    split = run.stage("split_data", part_tasks.split_data, parts.fingerprint_split(config.data, count),
+                      config=config.data, parts_count=count)
+    calls = []
+    for index in range(count):
+        fp = parts.fingerprint_part(config, split.fingerprint, index, target.fingerprint)
+        parameters = {"config": parts.part_config(config, split.fingerprint, index), "split_fp": split.fingerprint,
+                      "index": index, "part_fp": fp}
+        calls.append((fp, f"part {index}", {"deployment": config.extract.part_deployment, "parameters": parameters,
+                                             "timeout_s": config.extract.part_timeout_s, "artifact_url": config.artifact_url}))
+    pieces = []
+    for done in run.concurrent("part", part_tasks.run_part, calls):
+        prepared, extracted = parts.read_part(done)
+        pieces.append((None, run.localized("prepare_data", prepared), run.localized("extract", extracted)))
+    assembled = run.stage("assemble", nightly_tasks.assemble, incremental.fingerprint_assemble(pieces), parts=pieces)
+    outcome["data"] = {"parts": count, "train_samples": assembled.stats["train_samples"],
+                       "heldout_samples": assembled.stats["heldout_samples"]}
+    return target, assembled
+
+
 def draft_chain(run: StageRunner, config: PipelineConfig, target: StageRecord, extracted: StageRecord,
                 vocab: StageRecord, chain: Chain, tag: str = "") -> Chain:
     """train -> export -> evaluate, holding the `gpu` slot; `chain` is filled as each stage finishes
@@ -110,13 +140,17 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     load_log = run_dir / "logs" / "target_loads.jsonl"
-    run = StageRunner(config.artifacts, run_dir / "logs" / ENGINE_LOG)
+    run = open_runner(config.artifact_url, config.artifacts, run_dir)
     outcome: dict[str, object] = {}
     cleanups: list[dict] = []
     started = time.time()
     chain = Chain()
     try:
-        target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome)
+        if config.extract.parts > 1:
+            target, extracted = fanned_out_stages(run, config, outcome)
+            prepared = extracted  # the assembled artifact holds both (eagle3.ops.incremental)
+        else:
+            target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome)
         vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(config.vocab, prepared),
                           config=config.vocab, prepared=prepared, target=target)
         draft_chain(run, config, target, extracted, vocab, chain)

@@ -17,11 +17,15 @@ artifact and returns it without work.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 from pathlib import Path
 
+import fsspec
 from prefect import Task
+from prefect.filesystems import RemoteFileSystem
 from prefect.context import TaskRunContext
 
 from eagle3.artifacts import read_complete
@@ -34,10 +38,11 @@ JSON_DECODER = "prefect.serializers.prefect_json_object_decoder"
 RECORD_CLASS = "eagle3.artifacts.StageRecord"
 
 
-def trusted_result(path: Path) -> bool:
-    """True when the persisted result at `path` is a JSON StageRecord as this module writes it."""
+def trusted_result(path: Path | str) -> bool:
+    """True when the persisted result at `path` (a file, or a URL) is a JSON StageRecord as this module writes it."""
     try:
-        record = json.loads(Path(path).read_text())
+        with fsspec.open(str(path), "r", encoding="utf-8") as handle:
+            record = json.loads(handle.read())
         serializer = record["metadata"]["serializer"]
         payload = record["result"]
         inner = json.loads(payload)
@@ -55,20 +60,40 @@ def fingerprint_key(context: TaskRunContext, parameters: dict) -> str:
     return f"{context.task.name}-{parameters['fp']}"
 
 
-def cached(task: Task, root: Path, stage: str, fp: str) -> Task:
-    """`task` configured for this run: results under `root`, cache refreshed when the artifact is not whole."""
+def _result_storage(root: Path, results: str | None) -> tuple[Path | RemoteFileSystem, str]:
+    """(Prefect's result storage, the folder or URL its files are in)."""
+    if results is None:
+        storage = Path(root).resolve() / RESULTS
+        return storage, str(storage)
+    return _saved_block(results), results
+
+
+@functools.cache
+def _saved_block(url: str) -> RemoteFileSystem:
+    """A RemoteFileSystem block for `url`, saved on the server (Prefect refuses unsaved result-storage
+    blocks), named by the URL's hash. It holds no credentials: each machine's own environment gives
+    them (AWS_* variables, a profile, GOOGLE_APPLICATION_CREDENTIALS), as for the artifacts."""
+    block = RemoteFileSystem(basepath=url)
+    block.save(f"eagle3-results-{hashlib.sha256(url.encode()).hexdigest()[:12]}", overwrite=True)
+    return block
+
+
+def cached(task: Task, root: Path, stage: str, fp: str, results: str | None = None) -> Task:
+    """`task` configured for this run: results under `root` (or at the URL `results`: a shared
+    artifact root's prefect-results), cache refreshed when the (local) artifact is not whole."""
     whole = read_complete(out_dir(root, stage, fp)) is not None
-    storage = Path(root).resolve() / RESULTS
-    result = storage / f"{task.name}-{fp}"
-    if result.exists() and not trusted_result(result):
+    storage, where = _result_storage(root, results)
+    result = f"{where}/{task.name}-{fp}"
+    fs, path = fsspec.core.url_to_fs(result)
+    if fs.exists(path) and not trusted_result(result):
         log.warning("%s is not a JSON StageRecord as eagle3 writes it (edited by hand, or another serializer); "
-                    "deleted unread, the %s stage runs again", result, stage)
-        result.unlink()
+                    "deleted unread, the %s stage runs again", path, stage)
+        fs.rm_file(path)
         whole = False
     return task.with_options(
         cache_key_fn=fingerprint_key,
         persist_result=True,
-        result_storage=storage,  # a Path: a str would name a block
+        result_storage=storage,  # a Path or a block: a str would name a saved block
         result_serializer="json",
         refresh_cache=not whole,
     )

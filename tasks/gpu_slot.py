@@ -47,6 +47,7 @@ from prefect.logging import get_run_logger
 from eagle3.artifacts import atomic_write_text, pid_alive
 
 GPU_LIMIT = "gpu"
+SLOT_ENV = "EAGLE3_GPU_SLOT"  # the limit this machine's runs take; one per machine when several share a server
 LEASES_ENV = "EAGLE3_PREFECT_LEASES"  # set by flows.local_server: where the servers eagle3 started keep their leases
 LEASE_SECONDS = 60  # the server's minimum
 POLL_SECONDS = 2.0  # between two asks for the slot while another run holds it
@@ -58,10 +59,17 @@ class GpuLimitMissing(RuntimeError):
     """The global concurrency limit `gpu` does not exist on the Prefect server."""
 
 
+def gpu_limit() -> str:
+    """The name of the limit that guards this machine's GPUs: `gpu`, or $EAGLE3_GPU_SLOT. Several machines
+    on one Prefect server each set their own (e.g. gpu-<hostname>), so that their runs do not wait on
+    each other while the runs of one machine still take turns."""
+    return os.environ.get(SLOT_ENV) or GPU_LIMIT
+
+
 def ensure_gpu_limit(slots: int = 1) -> None:
-    """Create the global concurrency limit `gpu` (or set it back to `slots`) on the configured server."""
+    """Create this machine's global concurrency limit (`gpu_limit()`, or set it back to `slots`) on the server."""
     with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, slots)
+        client.upsert_global_concurrency_limit_by_name(gpu_limit(), slots)
 
 
 def _note(run_dir: Path, event: str, block: str, **extra: object) -> None:
@@ -104,10 +112,10 @@ def reclaim_dead_holders(client: SyncPrefectClient) -> int:
         if holder.get("lease_id"):
             # the server frees the slot if it still knows the lease, and ignores a lease it no longer has
             client.release_concurrency_slots_with_lease(UUID(holder["lease_id"]))
-            logger.warning("gave back the '%s' slot of %s: its process is gone", GPU_LIMIT, _describe(holder))
+            logger.warning("gave back the '%s' slot of %s: its process is gone", gpu_limit(), _describe(holder))
         else:
             logger.warning("%s died before noting its lease: if it had taken the '%s' slot, the lease runs out within "
-                           "%d s", _describe(holder), GPU_LIMIT, LEASE_SECONDS)
+                           "%d s", _describe(holder), gpu_limit(), LEASE_SECONDS)
         path.unlink(missing_ok=True)
         count += 1
     return count
@@ -135,15 +143,15 @@ class OrphanCheck:
         """Give back the slots no lease holds, once two looks agree; returns how many were given back."""
         if self.lease_dir is None:
             return 0
-        limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        limit = client.read_global_concurrency_limit_by_name(gpu_limit())
         excess = limit.active_slots - self._leased_slots(limit.id)
         seen, self.seen = self.seen, (excess, limit.updated)
         # the server counts a new slot a moment before it writes its lease: act only on a state that lasted
         if excess <= 0 or seen != (excess, limit.updated):
             return 0
-        client.release_concurrency_slots([GPU_LIMIT], excess, occupancy_seconds=1.0)  # unknown; the API wants > 0
+        client.release_concurrency_slots([gpu_limit()], excess, occupancy_seconds=1.0)  # unknown; the API wants > 0
         get_run_logger().warning("gave back %d '%s' slot(s) that no lease holds (%d counted, leases in %s): a run's lease "
-                                 "was lost with the server it ran on", excess, GPU_LIMIT, limit.active_slots, self.lease_dir)
+                                 "was lost with the server it ran on", excess, gpu_limit(), limit.active_slots, self.lease_dir)
         self.seen = None
         return excess
 
@@ -151,7 +159,7 @@ class OrphanCheck:
 def _try_acquire(client: SyncPrefectClient) -> UUID | None:
     """The lease of one `gpu` slot, or None while the slot is taken."""
     try:
-        response = client.increment_concurrency_slots_with_lease(names=[GPU_LIMIT], slots=1, mode="concurrency",
+        response = client.increment_concurrency_slots_with_lease(names=[gpu_limit()], slots=1, mode="concurrency",
                                                                  lease_duration=LEASE_SECONDS)
     except httpx.HTTPStatusError as err:
         if err.response.status_code == 423:  # Locked: another run holds it
@@ -160,7 +168,7 @@ def _try_acquire(client: SyncPrefectClient) -> UUID | None:
     body = response.json()
     if not body.get("limits"):
         raise GpuLimitMissing(
-            f"the global concurrency limit {GPU_LIMIT!r} does not exist on this Prefect server; it keeps runs from "
+            f"the global concurrency limit {gpu_limit()!r} does not exist on this Prefect server; it keeps runs from "
             "sharing the GPUs: create it with `eagle3 deploy` (or `prefect gcl create gpu --limit 1`)"
         )
     return UUID(body["lease_id"])
@@ -169,7 +177,7 @@ def _try_acquire(client: SyncPrefectClient) -> UUID | None:
 def _waiting_line(asked: float, block: str) -> str:
     holders = [h for _, h in _read_notes() if h.get("lease_id") and _alive(h)]
     who = "; ".join(_describe(h) for h in holders) or "a run this machine has no note of (another machine, or a server-side lease)"
-    return f"waiting for the '{GPU_LIMIT}' slot for {block} ({time.time() - asked:.0f} s): held by {who}"
+    return f"waiting for the '{gpu_limit()}' slot for {block} ({time.time() - asked:.0f} s): held by {who}"
 
 
 def _acquire(client: SyncPrefectClient, block: str, asked: float) -> UUID:
@@ -196,7 +204,7 @@ def gpu_slot(run_dir: Path, block: str) -> Iterator[None]:
     from prefect.concurrency._leases import maintain_concurrency_lease
 
     logger = get_run_logger()
-    logger.info("waiting for the '%s' concurrency slot (%s)", GPU_LIMIT, block)
+    logger.info("waiting for the '%s' concurrency slot (%s)", gpu_limit(), block)
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "run_dir": str(run_dir), "block": block, "lease_id": None}
     note = _holders() / f"{os.getpid()}-{block}-{uuid.uuid4().hex[:8]}.json"
     note.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +214,7 @@ def gpu_slot(run_dir: Path, block: str) -> Iterator[None]:
         with get_client(sync_client=True) as client:
             lease_id = _acquire(client, block, asked)
             atomic_write_text(note, json.dumps(holder | {"lease_id": str(lease_id)}))
-            logger.info("holding the '%s' slot for %s (waited %.1f s)", GPU_LIMIT, block, time.time() - asked)
+            logger.info("holding the '%s' slot for %s (waited %.1f s)", gpu_limit(), block, time.time() - asked)
             _note(run_dir, "acquired", block, waited=round(time.time() - asked, 3))
             try:
                 with maintain_concurrency_lease(lease_id, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
@@ -217,6 +225,6 @@ def gpu_slot(run_dir: Path, block: str) -> Iterator[None]:
                     client.release_concurrency_slots_with_lease(lease_id)
                 except httpx.HTTPError as err:  # the server is gone: the lease runs out, or the next run gives it back
                     logger.warning("could not give the '%s' slot back (%s); its lease runs out within %d s",
-                                   GPU_LIMIT, err, LEASE_SECONDS)
+                                   gpu_limit(), err, LEASE_SECONDS)
     finally:
         note.unlink(missing_ok=True)

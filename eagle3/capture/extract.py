@@ -63,6 +63,23 @@ class ExtractConfig(BaseModel):
         description="A sample with more than target.max_model_len - 1 tokens (a prefill samples one token): 'reject' "
         "(error naming the samples) or 'truncate' (keep its first max_model_len - 1 tokens, with a warning naming the samples)",
     )
+    parts: int = Field(
+        default=1, ge=1,
+        description="Fan-out over machines: split the conversations into this many parts, each part's regenerate -> "
+        "prepare_data -> extract chain a flow run of the `extract.part_deployment` deployment on the gpu work pool; "
+        "needs a Prefect server with workers and an artifact_root every worker reaches (an fsspec URL or a shared "
+        "folder). 1: everything in this run's process",
+    )
+    part_deployment: str = Field(
+        default="extract-part/extract-part", description="Deployment ('flow name/deployment name') that runs one part"
+    )
+    part_timeout_s: float = Field(
+        default=86400.0, gt=0, description="Seconds to wait for one part's flow run before it counts as failed (then retried)"
+    )
+
+
+# How the extraction is spread over machines, not what it stores: not part of the extract fingerprint.
+FAN_OUT_SETTINGS = {"parts", "part_deployment", "part_timeout_s"}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,16 @@
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK (and the rendezvous address); `context_from_env`
 joins the process group (NCCL on CUDA, gloo on the CPU) and says which device this process
-drives. A step's `train.grad_accum` micro-batches are dealt round-robin to the processes:
+drives: its LOCAL_RANK-th GPU of its machine.
+
+On several machines (eagle3.draft.launch, `train.nnodes`) the training rank is not torchrun's
+RANK: the c10d rendezvous numbers the machines by sorting their host names and process ids
+(torchrun ignores `--node-rank` with it), so RANK 0 could land on any machine. The launcher gives
+each machine its node rank in EAGLE3_NODE_RANK (0: the machine that runs the train stage), and
+the training rank is node rank x ranks per machine + LOCAL_RANK: training rank 0, the one that
+writes checkpoints and logs, is on node 0. The process group keeps torchrun's numbering; only
+the dealing of micro-batches and the choice of writer follow the training rank, and sums do
+not depend on either. A step's `train.grad_accum` micro-batches are dealt round-robin to the processes:
 micro-batch i of a step goes to rank i % world_size, so every process reads only its own
 samples, and the step sees exactly the micro-batches a single process would. Gradients
 (and the logged losses) are then summed across processes, which gives the single-process
@@ -23,6 +32,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+NODE_RANK_ENV = "EAGLE3_NODE_RANK"  # set by eagle3.draft.launch on every machine's torchrun
 
 
 class DistError(RuntimeError):
@@ -64,7 +76,33 @@ def context_from_env() -> DistContext:
     if dist.get_world_size() != world or dist.get_rank() != rank:
         raise DistError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
                         f"but RANK={rank} WORLD_SIZE={world}; launch with torchrun")
-    return DistContext(rank=rank, world_size=world, local_rank=local)
+    node = os.environ.get(NODE_RANK_ENV)
+    if node is None:
+        return DistContext(rank=rank, world_size=world, local_rank=local)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    ctx = DistContext(rank=int(node) * per_node + local, world_size=world, local_rank=local)
+    _check_training_ranks(ctx, int(node))
+    return ctx
+
+
+def _check_training_ranks(ctx: DistContext, node: int) -> None:
+    """Every training rank 0..world-1 is taken exactly once (each machine was given its own node rank)."""
+    taken = torch.zeros(ctx.world_size + 1, dtype=torch.int64, device=device_for(ctx))  # [world, out of range]
+    taken[ctx.rank if 0 <= ctx.rank < ctx.world_size else ctx.world_size] = 1
+    dist.all_reduce(taken, op=dist.ReduceOp.SUM)
+    if taken[: ctx.world_size].ne(1).any() or taken[-1]:
+        raise DistError(f"the machines' node ranks do not make ranks 0..{ctx.world_size - 1} once each (this machine "
+                        f"is node {node}; ranks taken: {taken[:-1].tolist()}): each `eagle3 train-node` needs its own "
+                        "--node-rank, 1 .. train.nnodes-1 (node 0 is the train stage's machine)")
+
+
+def spread(value: int, ctx: DistContext) -> tuple[int, int]:
+    """(smallest, largest) `value` over the processes: equal when every process holds the same."""
+    if not ctx.distributed:
+        return value, value
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device_for(ctx))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return -int(both[1]), int(both[0])
 
 
 def device_for(ctx: DistContext) -> torch.device:
@@ -75,7 +113,8 @@ def device_for(ctx: DistContext) -> torch.device:
 def check_grad_accum(grad_accum: int, ctx: DistContext) -> None:
     if grad_accum % ctx.world_size:
         raise DistError(
-            f"train.grad_accum is {grad_accum}, which does not split over {ctx.world_size} processes; set "
+            f"train.grad_accum is {grad_accum}, which does not split over {ctx.world_size} processes (train.nnodes x "
+            f"train.num_processes); set "
             f"train.grad_accum to a multiple of {ctx.world_size} (each process takes every {ctx.world_size}th micro-batch)"
         )
 

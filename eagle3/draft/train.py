@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -55,9 +56,9 @@ EVALS = "evals.jsonl"
 CHECKPOINTS = "checkpoints"
 # Settings that may change between an interrupted run and its resume.
 _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
-                      "param_dtype", "num_processes"}
-# Settings that change how fast training runs, not what it learns: left out of the train fingerprint.
-RUNTIME_ONLY = {"compile", "param_dtype", "num_processes"}
+                      "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
+# Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
+RUNTIME_ONLY = {"compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 
 
 class TrainError(RuntimeError):
@@ -118,6 +119,22 @@ class TrainConfig(BaseModel):
         "takes every n-th micro-batch of a step, so the result does not depend on it). A run may resume with another "
         "number. Not part of the stage's fingerprint."
     )
+    nnodes: int = Field(
+        default=1, ge=1, description="Machines that train together, each running train.num_processes ranks (torchrun "
+        "with a c10d rendezvous). Node 0 is the machine that runs the train stage; each other machine joins with "
+        "`eagle3 train-node --spec SPEC --node-rank R`, the command the stage prints, and must see the artifacts "
+        "folder at the same path (a shared folder). train.nnodes x train.num_processes must divide train.grad_accum. "
+        "A run may resume with another number. Not part of the stage's fingerprint."
+    )
+    rdzv_endpoint: str | None = Field(
+        default=None, description="'host:port' of the c10d rendezvous when train.nnodes > 1 (required then): an "
+        "address of node 0 (the machine that runs the train stage, which hosts the rendezvous) that the other "
+        "machines reach, and a free TCP port there, e.g. 'node0.cluster:29400'. Not part of the stage's fingerprint."
+    )
+    rdzv_join_timeout: int = Field(
+        default=600, ge=1, description="Seconds node 0 waits for the other train.nnodes - 1 machines to join the "
+        "rendezvous before the stage fails. Not part of the stage's fingerprint."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -125,10 +142,30 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
         if isinstance(self.num_processes, int) and self.num_processes < 1:
             raise ValueError(f"train.num_processes is {self.num_processes}; expected a number >= 1 or 'auto'")
-        if isinstance(self.num_processes, int) and self.grad_accum % self.num_processes:
+        if self.nnodes > 1 or self.rdzv_endpoint is not None:
+            _check_endpoint(self.rdzv_endpoint, self.nnodes)
+        if isinstance(self.num_processes, int) and self.grad_accum % (self.nnodes * self.num_processes):
+            ranks = self.nnodes * self.num_processes
             raise ValueError(f"train.grad_accum ({self.grad_accum}) does not split over train.num_processes "
-                             f"({self.num_processes}); set train.grad_accum to a multiple of {self.num_processes}")
+                             f"({self.num_processes}) x train.nnodes ({self.nnodes}) = {ranks} ranks; set "
+                             f"train.grad_accum to a multiple of {ranks}")
+        if self.num_processes == "auto" and self.grad_accum % self.nnodes:
+            raise ValueError(f"train.grad_accum ({self.grad_accum}) does not split over train.nnodes ({self.nnodes}) "
+                             "machines of train.num_processes='auto' ranks each; set train.grad_accum to a multiple of "
+                             "train.nnodes x the ranks per machine")
         return self
+
+
+def _check_endpoint(endpoint: str | None, nnodes: int) -> None:
+    """train.rdzv_endpoint: 'host:port' (an IPv6 host in brackets), required when several machines train."""
+    expected = ("'host:port': a name or IP of node 0 (the machine that runs the train stage) that the other machines "
+                "reach, and a free TCP port there, e.g. 'node0.cluster:29400'")
+    if endpoint is None:
+        raise ValueError(f"train.rdzv_endpoint is not set, but train.nnodes={nnodes} needs the rendezvous address as "
+                         f"{expected}")
+    found = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", endpoint)
+    if found is None or not 0 < int(found.group(2)) < 65536:
+        raise ValueError(f"train.rdzv_endpoint is {endpoint!r}; expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -323,6 +360,11 @@ def _resume(run: _Run, out_dir: Path) -> int | None:
         clean_temporaries(out_dir / CHECKPOINTS)
     ddp.barrier(run.ctx)
     found: Checkpoint | None = latest_valid_checkpoint(out_dir / CHECKPOINTS)
+    low, high = ddp.spread(-1 if found is None else found.step, run.ctx)
+    if low != high:  # a machine that sees another out_dir would train from other weights
+        raise TrainError(f"the training processes found different checkpoints in {out_dir / CHECKPOINTS} (steps "
+                         f"{low} and {high}, -1: none): with train.nnodes > 1 every machine must see the artifacts "
+                         "folder as one shared folder, at the same path")
     if found is None:
         return None
     _check_compatible(found, run)

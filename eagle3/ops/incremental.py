@@ -87,7 +87,7 @@ def local_copy(file: IncomingFile, staging: Path) -> Path:
 
 
 # -- assemble ----------------------------------------------------------------------------
-def fingerprint_assemble(parts: list[tuple[str, StageRecord, StageRecord]]) -> str:
+def fingerprint_assemble(parts: list[tuple[str | None, StageRecord, StageRecord]]) -> str:
     """parts: (label, prepared, extracted) per file, oldest first."""
     return fingerprint("assemble", ASSEMBLE_VERSION, [label for label, _, _ in parts],
                        *[f"{p.fingerprint}:{e.fingerprint}" for _, p, e in parts])
@@ -100,7 +100,13 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def _merge_store(parts: list[tuple[str, Path]], out: Path) -> dict[str, int]:
+def _label(label: str | None, sample_id: str) -> str:
+    """A part's sample id in the assembled artifact: prefixed with its file's label, or as it is (label None:
+    the parts of one split, whose ids are distinct already)."""
+    return sample_id if label is None else f"{label}:{sample_id}"
+
+
+def _merge_store(parts: list[tuple[str | None, Path]], out: Path) -> dict[str, int]:
     """Join the stores `parts` (label, store dir) into `out`: linked shards, one manifest."""
     out.mkdir(parents=True, exist_ok=True)
     merged: dict | None = None
@@ -119,21 +125,22 @@ def _merge_store(parts: list[tuple[str, Path]], out: Path) -> dict[str, int]:
                                 "the manifest was edited by hand: delete that extract artifact and run again")
             name = f"p{index:04d}-{entry['file']}"
             _link(store / entry["file"], out / name)
-            shards.append(entry | {"file": name, "sample_ids": [f"{label}:{i}" for i in entry["sample_ids"]]})
+            shards.append(entry | {"file": name, "sample_ids": [_label(label, i) for i in entry["sample_ids"]]})
     manifest = (merged or {}) | {"complete": True, "num_samples": sum(len(s["sample_ids"]) for s in shards), "shards": shards}
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     return {"samples": manifest["num_samples"], "tokens": sum(s["num_tokens"] for s in shards), "shards": len(shards)}
 
 
-def _merge_samples(parts: list[tuple[str, Path]], out: Path) -> None:
+def _merge_samples(parts: list[tuple[str | None, Path]], out: Path) -> None:
     with open(out, "w", encoding="utf-8") as handle:
         for label, path in parts:
             for s in conversations.read_samples(path):
-                handle.write(json.dumps({"id": f"{label}:{s.id}", "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
+                handle.write(json.dumps({"id": _label(label, s.id), "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
 
 
-def run_assemble(parts: list[tuple[str, StageRecord, StageRecord]], root: Path, fp: str) -> StageRecord:
-    """One artifact with the prepared data and the hidden states of every part (label, prepared, extracted)."""
+def run_assemble(parts: list[tuple[str | None, StageRecord, StageRecord]], root: Path, fp: str) -> StageRecord:
+    """One artifact with the prepared data and the hidden states of every part (label, prepared, extracted);
+    label None keeps the part's sample ids as they are."""
     from eagle3.stages import _done
 
     final, done = _done(root, "assemble", fp)

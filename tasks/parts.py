@@ -1,0 +1,60 @@
+"""The fan-out stages of `extract.parts` (eagle3.ops.parts): split the data, record a part, run a part.
+
+`run_part` is the parent's view of one part: it starts the part's flow run on the `gpu` work pool
+(`run_deployment` of `extract.part_deployment`, linked to this task as a subflow) and waits for it.
+A part whose flow run does not end Completed (failed, crashed, its worker gone and the run marked
+Crashed by the server's zombie automation, or still running after `extract.part_timeout_s`) fails
+this task, and Prefect's task retries start the part again, on whichever worker takes it: the part's
+finished shards are in the bucket, and its stages reuse them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from eagle3.artifacts import StageRecord, read_complete
+from eagle3.data.conversations import DataConfig
+from eagle3.ops import parts
+from eagle3.stages import out_dir
+from eagle3.storage import open_root
+
+PART_RETRIES = 2  # a part is started at most 1 + PART_RETRIES times
+
+
+class PartFailed(RuntimeError):
+    """A part's flow run did not complete."""
+
+
+@task(name="split_data")
+def split_data(config: DataConfig, parts_count: int, root: Path, fp: str) -> StageRecord:
+    return parts.run_split(config, parts_count, root, fp)
+
+
+@task(name="part_record")
+def part_record(prepared: StageRecord, extracted: StageRecord, root: Path, fp: str) -> StageRecord:
+    return parts.run_part_record(prepared, extracted, root, fp)
+
+
+@task(name="part", retries=PART_RETRIES, retry_delay_seconds=2)
+def run_part(deployment: str, parameters: dict, timeout_s: float, artifact_url: str | None, root: Path, fp: str) -> StageRecord:
+    from prefect.deployments import run_deployment
+
+    index = parameters["index"]
+    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=timeout_s, poll_interval=2, as_subflow=True)
+    state = flow_run.state
+    get_run_logger().info("part %d: flow run %s ended %s", index, flow_run.name, state.name if state else "unknown")
+    if state is None or not state.is_completed():
+        why = (state.message or state.name) if state is not None else "no state"
+        raise PartFailed(f"part {index}: flow run {flow_run.name!r} of {deployment!r} did not complete ({why}); "
+                         "its worker's log says why, the part is started again")
+    remote = open_root(artifact_url, root, check=False)
+    if remote is not None:
+        remote.pull("part", fp)
+    record = read_complete(out_dir(root, "part", fp))
+    if record is None:
+        raise PartFailed(f"part {index}: flow run {flow_run.name!r} completed, but its artifact part/{fp} is not whole "
+                         f"under {artifact_url or root}: do the workers use the same artifact_root as this run?")
+    return record
