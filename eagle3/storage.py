@@ -250,7 +250,8 @@ class RemoteRoot:
             names = self.fs.find(self.base)
         except FileNotFoundError:
             return []
-        return [n for n in names if _is_temporary(n[len(self.base) + 1:]) and ".eagle3-probe-" not in n]
+        return [n for n in names if _is_temporary(n[len(self.base) + 1:]) and Path(n).name != MARKER
+                and ".eagle3-probe-" not in n]
 
 
 def open_root(artifact_root: str | None, local: Path, *, check: bool = True) -> RemoteRoot | None:

@@ -64,6 +64,37 @@ def ensure_work_pool(name: str = WORK_POOL, concurrency: int = 1) -> None:
             client.update_work_pool(name, WorkPoolUpdate(concurrency_limit=concurrency))
 
 
+HEARTBEAT_SECONDS = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY for workers' flow runs (Prefect's minimum)
+ZOMBIE_AUTOMATION = "eagle3: crash flow runs whose heartbeats stopped"
+
+
+def ensure_zombie_automation(window_s: int = 2 * HEARTBEAT_SECONDS) -> None:
+    """Prefect's own recipe for flow runs whose machine died: a run that sent a heartbeat and then neither
+    another one nor a final state within `window_s` is set Crashed by the server. A fanned-out part's
+    parent (tasks.parts.run_part) then starts the part again, on a worker that is alive. Needs the
+    workers to send heartbeats: start them with PREFECT_FLOWS_HEARTBEAT_FREQUENCY set (README)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    finished = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    automation = Automation(
+        name=ZOMBIE_AUTOMATION,
+        trigger=EventTrigger(after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *finished},
+                             match={"prefect.resource.id": ["prefect.flow-run.*"]}, for_each={"prefect.resource.id"},
+                             posture=Posture.Proactive, threshold=1, within=timedelta(seconds=window_s)),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {window_s} s: its worker or machine is gone")],
+    )
+    try:
+        Automation.read(name=ZOMBIE_AUTOMATION)
+    except ValueError:  # not there yet
+        automation.create()
+
+
 def deploy(settings: DeploySettings, api_url: str | None = None) -> None:
     """Work pool + concurrency limit + `prefect deploy --all` of deployments/prefect.yaml."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -74,6 +105,7 @@ def deploy(settings: DeploySettings, api_url: str | None = None) -> None:
     with temporary_settings(updates=updates):
         ensure_work_pool(concurrency=settings.machines)
         ensure_gpu_limit()
+        ensure_zombie_automation()
         env = os.environ | settings.env() | ({"PREFECT_API_URL": api_url} if api_url else {})
         done = subprocess.run([sys.executable, "-m", "prefect", "deploy", "--no-prompt", "--all", "--prefect-file",
                                str(PREFECT_FILE)], cwd=ROOT, env=env, capture_output=True, text=True, check=False)

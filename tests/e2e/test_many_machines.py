@@ -1,0 +1,211 @@
+"""Several machines, on one host, set up as the README's "Several machines" says: an S3 server the
+test starts itself (moto's server mode, as s3fs's own suite uses), one `prefect server start`, and
+two workers on the `gpu` pool in two folders that share nothing but the bucket and the server (each
+its own working folder, builtin-target cache and gpu slot). The parent run is `eagle3 run` from a
+third folder with `artifact_root` in the bucket and `extract.parts=2`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ROOT, _free_port
+
+TINY = ["regenerate.enabled=false", "data.max_samples=32", "train.steps=6", "train.warmup_steps=1",
+        "train.checkpoint_every=3", "extract.samples_per_shard=4"]
+BUCKET = "eagle3"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("s3")
+    port = _free_port()
+    log = open(folder / "moto.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    os.environ.update(env)  # this process reads the bucket too
+    import fsspec
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError((folder / "moto.log").read_text()[-2000:]) from None
+            time.sleep(0.5)
+    yield env
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log.close()
+
+
+def _bucket():
+    import fsspec
+
+    return fsspec.filesystem("s3", skip_instance_cache=True)
+
+
+class Worker:
+    def __init__(self, name: str, folder: Path, env: dict[str, str]) -> None:
+        self.name, self.folder = name, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.env = env | {"EAGLE3_WORK_DIR": str(folder), "EAGLE3_CACHE_DIR": str(folder / "cache"),
+                          "EAGLE3_GPU_SLOT": f"gpu-{name}", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+                          "PREFECT_LOGGING_EXTRA_LOGGERS": "eagle3"}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.folder / "worker.log", "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "gpu", "--type",
+                                      "process", "--limit", "1", "--name", f"worker-{self.name}"],
+                                     cwd=self.folder, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def kill(self) -> None:  # the machine dies: the worker, its flow run and the engine under it
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def parts_run_here(self) -> list[str]:
+        return sorted(p.name for p in (self.folder / "eagle3-parts").glob("*/part-*"))
+
+
+@pytest.fixture(scope="module")
+def cluster(prefect_server, s3, tmp_path_factory):
+    from flows.deploy import DeploySettings, deploy
+
+    base = os.environ | s3 | {"PREFECT_API_URL": prefect_server}
+    os.environ["PREFECT_API_URL"] = prefect_server
+    deploy(DeploySettings(machines=2), prefect_server)
+    root = tmp_path_factory.mktemp("machines")
+    workers = {name: Worker(name, root / f"machine-{name}", base) for name in ("a", "b")}
+    for worker in workers.values():
+        worker.start()
+    yield base, root, workers
+    for worker in workers.values():
+        worker.kill()
+
+
+def _eagle3(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env | {"PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _part_runs(api_url: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["extract-part"])))
+
+
+def _samples(store: Path) -> dict[str, tuple]:
+    from eagle3.capture.store import StoreReader
+
+    return {s.sample_id: (s.input_ids.tolist(), s.loss_mask.tolist(), s.hidden_states.float()) for s in StoreReader(store)}
+
+
+def _assert_same_store(assembled: Path, single: Path) -> None:
+    import torch
+
+    for split in ("train", "heldout"):
+        ours, theirs = _samples(assembled / split), _samples(single / split)
+        assert sorted(ours) == sorted(theirs), split
+        for sid, (ids, mask, states) in theirs.items():
+            assert ours[sid][0] == ids and ours[sid][1] == mask, sid
+            torch.testing.assert_close(ours[sid][2], states, rtol=0, atol=1e-4)
+
+
+def _artifact(cwd: Path, run_dir: str, stage: str) -> Path:
+    """The artifact folder of `stage` in the summary of the run in `cwd`/`run_dir` (paths there are relative to `cwd`)."""
+    import json
+
+    rows = json.loads((cwd / run_dir / "summary.json").read_text())["stages"]
+    return cwd / next(r["artifact"] for r in rows if r["name"] == stage)
+
+
+def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster, tmp_path):
+    env, root, workers = cluster
+    url = f"s3://{BUCKET}/together"
+    args = ["run", "--preset", "tiny", *[a for s in TINY + [f"artifact_root={url}", "extract.parts=2"] for a in ("--set", s)],
+            "--run-dir", "run"]
+    done = _eagle3(args, tmp_path / "parent", env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = [r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url]
+    assert len(runs) == 2 and all(r.state.is_completed() for r in runs)
+    first, second = sorted(runs, key=lambda r: r.start_time)
+    assert second.start_time < first.end_time, "the two parts did not run at the same time"
+    assert len(workers["a"].parts_run_here()) == 1 and len(workers["b"].parts_run_here()) == 1  # one part per machine
+    # The assembled store equals a one-machine run's (one process, local artifacts), sample for sample.
+    single = _eagle3(["run", "--preset", "tiny", *[a for s in TINY for a in ("--set", s)], "--run-dir", "single"],
+                     tmp_path / "one-machine", env)
+    assert single.returncode == 0, single.stderr[-3000:]
+    _assert_same_store(_artifact(tmp_path / "parent", "run", "assemble"), _artifact(tmp_path / "one-machine", "single", "extract"))
+    from eagle3.storage import RemoteRoot
+
+    assert RemoteRoot(url, tmp_path / "unused").leftovers() == []  # nothing under a temporary name in the bucket
+    # The same command again: every stage Cached, no part run started, no target loaded.
+    again = _eagle3(args, tmp_path / "parent", env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    import json
+
+    summary = json.loads((tmp_path / "parent" / "run" / "summary.json").read_text())
+    states = {r["name"]: r["state"] for r in summary["stages"] if r["name"] != "gpu_cleanup"}
+    assert set(states.values()) == {"Cached"}, states
+    assert summary["target_loads"] == []
+    assert len([r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url]) == 2
+
+
+def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, tmp_path):
+    env, root, workers = cluster
+    url = f"s3://{BUCKET}/one-dies"
+    args = ["run", "--preset", "tiny", *[a for s in TINY + [f"artifact_root={url}", "extract.parts=2"] for a in ("--set", s)],
+            "--run-dir", "run"]
+    parent = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=(tmp_path / "parent").mkdir() or tmp_path / "parent",
+                              env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bucket, deadline, victim = _bucket(), time.time() + 600, None
+    while victim is None:  # the first shard of a part in the bucket: kill the machine extracting it
+        assert parent.poll() is None and time.time() < deadline, parent.communicate()[1][-3000:]
+        for worker in workers.values():
+            for folder in (worker.folder / "eagle3-parts").glob("*/part-*/artifacts/extract/*"):
+                name = f"{BUCKET}/one-dies/extract/{folder.name}"
+                if bucket.exists(name) and any("shard-" in n for n in bucket.find(name)):
+                    victim, shards_before = worker, {n for n in bucket.find(name) if "shard-" in n}
+        time.sleep(0.5)
+    victim.kill()
+    out, err = parent.communicate(timeout=900)
+    assert parent.returncode == 0, out[-3000:] + err[-3000:]
+    survivor = next(w for w in workers.values() if w is not victim)
+    assert len(survivor.parts_run_here()) == 2  # its own part and the dead machine's
+    runs = [r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url]
+    assert sorted(r.state.name for r in runs) == ["Completed", "Completed", "Crashed"]
+    single = _eagle3(["run", "--preset", "tiny", *[a for s in TINY for a in ("--set", s)], "--run-dir", "single"],
+                     tmp_path / "one-machine", env)
+    assert single.returncode == 0, single.stderr[-3000:]
+    _assert_same_store(_artifact(tmp_path / "parent", "run", "assemble"), _artifact(tmp_path / "one-machine", "single", "extract"))
+    from eagle3.storage import RemoteRoot
+
+    assert RemoteRoot(url, tmp_path / "unused").leftovers() == []
+    assert shards_before <= {n for n in bucket.find(f"{BUCKET}/one-dies/extract") if "shard-" in n}
+    victim.start()  # the machine comes back for the next test
+
+
+def test_an_unreachable_bucket_fails_before_any_work(cluster, tmp_path):
+    env, _, _ = cluster
+    done = _eagle3(["run", "--preset", "tiny", "--set", "artifact_root=s3://no-such-bucket/x", "--run-dir", "run"],
+                   tmp_path, env)
+    assert done.returncode == 2
+    assert "artifact_root='s3://no-such-bucket/x'" in done.stderr and "bucket" in done.stderr
+    assert not (tmp_path / "run" / "artifacts").exists()  # no stage ran, no target was loaded
