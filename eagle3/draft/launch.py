@@ -40,6 +40,7 @@ import ctypes
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -152,7 +153,7 @@ class LaunchSpec:
                    paths={k: (Path(v) if v is not None else None) for k, v in fields["paths"].items()})
 
 
-def torchrun_command(spec: LaunchSpec, spec_path: Path, node_rank: int) -> list[str]:
+def _torchrun_command(spec: LaunchSpec, spec_path: Path, node_rank: int) -> list[str]:
     """torchrun for machine `node_rank` (0: the stage's, which hosts the c10d rendezvous)."""
     config = spec.config
     if config.nnodes == 1:
@@ -167,7 +168,7 @@ def torchrun_command(spec: LaunchSpec, spec_path: Path, node_rank: int) -> list[
 
 def node_command(spec_path: Path, node_rank: int) -> str:
     """What to run on machine `node_rank` so that it joins the training of `spec_path`."""
-    return f"eagle3 train-node --spec {spec_path} --node-rank {node_rank}"
+    return f"eagle3 train-node --spec {shlex.quote(str(spec_path))} --node-rank {node_rank}"
 
 
 def _start(spec: LaunchSpec, spec_path: Path, node_rank: int) -> subprocess.Popen:
@@ -175,7 +176,7 @@ def _start(spec: LaunchSpec, spec_path: Path, node_rank: int) -> subprocess.Pope
     env[ddp.NODE_RANK_ENV] = str(node_rank)
     if not torch.cuda.is_available():  # ranks share the CPU's cores instead of each taking all of them
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.processes))
-    return subprocess.Popen(torchrun_command(spec, spec_path, node_rank), env=env, preexec_fn=_die_with_parent)
+    return subprocess.Popen(_torchrun_command(spec, spec_path, node_rank), env=env, preexec_fn=_die_with_parent)
 
 
 def train_distributed(config: TrainConfig, processes: int, *, out_dir: Path,
@@ -185,11 +186,11 @@ def train_distributed(config: TrainConfig, processes: int, *, out_dir: Path,
     `config.nnodes`; same arguments (`paths`: store_dir, target_dir, head_path, vocab_path,
     heldout_store_dir, init_from) and result. With several machines it waits for the others to
     join (see join_training) and does not start them."""
-    out_dir = Path(out_dir).absolute()  # the other machines read the spec's paths
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = LaunchSpec(config, out_dir, processes, {k: (Path(v).absolute() if v is not None else None)
-                                                   for k, v in paths.items()}, stop_after)
-    spec_path = out_dir / (NODES_SPEC if config.nnodes > 1 else f".launch-{os.getpid()}.json")
+    spec = LaunchSpec(config, out_dir.absolute(), processes,  # absolute: other machines read them, from elsewhere
+                      {k: (Path(v).absolute() if v is not None else None) for k, v in paths.items()}, stop_after)
+    spec_path = spec.out_dir / (NODES_SPEC if config.nnodes > 1 else f".launch-{os.getpid()}.json")
     for stale in (RESULT, STARTED):
         (out_dir / stale).unlink(missing_ok=True)
     spec.write(spec_path)
@@ -227,18 +228,20 @@ def _announce(config: TrainConfig, spec_path: Path) -> None:
 def _failure(config: TrainConfig, processes: int, code: int, joined: bool, seconds: float,
              spec_path: Path) -> TrainError:
     """The stage's error for torchrun's exit `code`; `joined`: the rendezvous completed (node 0's first rank ran)."""
-    endpoint = f"train.rdzv_endpoint={config.rdzv_endpoint}"
     if config.nnodes > 1 and not joined:
+        endpoint = f"the rendezvous at train.rdzv_endpoint={config.rdzv_endpoint}"
+        ranks = f" (--node-rank 1 .. {config.nnodes - 1}, one per machine)" if config.nnodes > 2 else ""
+        join = (f"start `{node_command(spec_path, 1)}` on the other machine(s){ranks}: the stage writes that spec "
+                "when it starts, on the shared folder that every machine must see at that path")
         if seconds >= config.rdzv_join_timeout:
-            how = f"did not join the rendezvous at {endpoint} within train.rdzv_join_timeout={config.rdzv_join_timeout} s"
-        else:
-            how = (f"could not meet at {endpoint}: torchrun gave up after {seconds:.0f} s (its output in the run log "
-                   "says why: the port in use, an address that is not this machine's)")
-        return TrainError(
-            f"train.nnodes={config.nnodes}: the other machine(s) {how}; torchrun exited with code {code}. Run the "
-            f"stage again and, while it waits, start `{node_command(spec_path, 1)}` on the other machine(s) "
-            f"(--node-rank 1 to {config.nnodes - 1}; the stage writes that spec when it starts, and every machine "
-            "must see it at that path, on a shared folder). Or set train.nnodes=1 to train on this machine alone")
+            return TrainError(f"train.nnodes={config.nnodes}: the other machine(s) did not join {endpoint} within "
+                              f"train.rdzv_join_timeout={config.rdzv_join_timeout} s (torchrun exited with code {code}). "
+                              f"Run the stage again and, while it waits, {join}. Or set train.nnodes=1 to train on "
+                              "this machine alone")
+        return TrainError(f"train.nnodes={config.nnodes}: {endpoint} failed after {seconds:.0f} s, before the other "
+                          f"machine(s) joined (torchrun exited with code {code}; its output in the run log says why: "
+                          "a port in use, an address that is not this machine's). Fix train.rdzv_endpoint, run the "
+                          f"stage again and, while it waits, {join}")
     where = "are in the run log"
     if config.nnodes > 1:
         where = "on this machine are in the run log, those of the others in their `eagle3 train-node` output"
@@ -293,8 +296,8 @@ def _check_node(spec: LaunchSpec, spec_path: Path, node_rank: int) -> None:
 
 def _write_result(out_dir: Path, result: TrainResult) -> None:
     fields = asdict(result)
-    for key in ("checkpoint", "best_checkpoint"):
-        fields[key] = str(fields[key]) if fields[key] is not None else None
+    for key in ("checkpoint", "best_checkpoint"):  # relative: the stage reads them under its own out_dir
+        fields[key] = str(Path(fields[key]).relative_to(out_dir)) if fields[key] is not None else None
     atomic_write_text(out_dir / RESULT, json.dumps(fields))
 
 
@@ -305,7 +308,7 @@ def _read_result(out_dir: Path) -> TrainResult:
     fields = json.loads(path.read_text())
     path.unlink()
     for key in ("checkpoint", "best_checkpoint"):
-        fields[key] = Path(fields[key]) if fields[key] is not None else None
+        fields[key] = out_dir / fields[key] if fields[key] is not None else None
     return TrainResult(**fields)
 
 
