@@ -178,11 +178,11 @@ class RemoteRoot:
         return count
 
     # -- up ----------------------------------------------------------------------------
-    def _put(self, path: Path, remote: str) -> None:
+    def _put(self, path: Path, remote: str, *, force: bool = False) -> None:
         stat = path.stat()
         key = (stat.st_size, stat.st_mtime_ns)
         with self._lock:
-            if self._uploaded.get(remote) == key:
+            if self._uploaded.get(remote) == key and not force:
                 return
             twin = self._objects.get((stat.st_dev, stat.st_ino))
         if twin is not None and twin != remote:  # a hard link of a file in the bucket (assemble): copied there, not sent
@@ -217,8 +217,12 @@ class RemoteRoot:
             raise StorageError(f"{local} is not a whole artifact; nothing was uploaded to {self.remote_dir(stage, fp)}")
         if self.is_whole(stage, fp):
             return
-        self.upload_finished(stage, fp)
-        self.fs.put_file(str(local / MARKER), f"{self.remote_dir(stage, fp)}/{MARKER}")
+        listed = json.loads((local / MARKER).read_text())["files"]  # the marker is the authority on what is whole
+        there, remote = self._sizes(stage, fp), self.remote_dir(stage, fp)
+        for name in sorted(listed, key=lambda n: Path(n).name == IN_PLACE_INDEX):
+            if there.get(name) != listed[name]:  # missing or damaged in the bucket
+                self._put(local / name, f"{remote}/{name}", force=True)
+        self.fs.put_file(str(local / MARKER), f"{remote}/{MARKER}")
 
     @contextlib.contextmanager
     def following(self, stage: str, fp: str, every: float = FOLLOW_SECONDS) -> Iterator[None]:
