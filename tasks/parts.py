@@ -5,15 +5,19 @@
 A part whose flow run does not end Completed (failed, crashed, its worker gone and the run marked
 Crashed by the server's zombie automation, or still running after `extract.part_timeout_s`) fails
 this task, and Prefect's task retries start the part again, on whichever worker takes it: the part's
-finished shards are in the bucket, and its stages reuse them.
+finished shards are in the bucket, and its stages reuse them. Each attempt's flow run has an
+idempotency key (part fingerprint + attempt), so a parent started again while the parts of an
+earlier one still run waits for those runs instead of starting more.
 """
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 from prefect import task
 from prefect.logging import get_run_logger
+from prefect.runtime import task_run
 
 from eagle3.artifacts import StageRecord, read_complete
 from eagle3.data.conversations import DataConfig
@@ -43,7 +47,16 @@ def run_part(deployment: str, parameters: dict, timeout_s: float, artifact_url: 
     from prefect.deployments import run_deployment
 
     index = parameters["index"]
-    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=timeout_s, poll_interval=2, as_subflow=True)
+    # One flow run per part and attempt, whoever asks: a parent started again while an earlier parent's part
+    # still runs (Ctrl-C, a crash of the machine it ran on) waits for that run instead of starting a second.
+    key = f"eagle3-part-{fp}-attempt-{task_run.run_count}"
+    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=0, idempotency_key=key)
+    fresh = False
+    if flow_run.state is not None and flow_run.state.is_final() and not flow_run.state.is_completed():
+        key, fresh = f"{key}-{uuid.uuid4().hex[:8]}", True  # that attempt ended badly under an earlier parent
+    # the same key again: the run above, waited for (or, fresh, a new one, shown under this task like the first)
+    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=timeout_s, poll_interval=2,
+                              idempotency_key=key, as_subflow=fresh)
     state = flow_run.state
     get_run_logger().info("part %d: flow run %s ended %s", index, flow_run.name, state.name if state else "unknown")
     if state is None or not state.is_completed():

@@ -137,10 +137,24 @@ def _artifact(cwd: Path, run_dir: str, stage: str) -> Path:
 
 
 def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster, tmp_path):
+    """Also: a parent stopped by Ctrl-C and started again takes up the part runs it had started."""
     env, root, workers = cluster
     url = f"s3://{BUCKET}/together"
     args = ["run", "--preset", "tiny", *[a for s in TINY + [f"artifact_root={url}", "extract.parts=2"] for a in ("--set", s)],
             "--run-dir", "run"]
+    # Ctrl-C once both parts run (SIGINT to the terminal's process group), then the same command again: it
+    # waits for the two part runs the first one started instead of starting more.
+    (tmp_path / "parent").mkdir()
+    first_try = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path / "parent",
+                                 env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while len([r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url
+               and r.state.is_running()]) < 2:
+        assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
+        time.sleep(0.5)
+    os.killpg(first_try.pid, signal.SIGINT)
+    assert first_try.wait(timeout=120) == 130, first_try.communicate()[1][-3000:]
     done = _eagle3(args, tmp_path / "parent", env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = [r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url]
