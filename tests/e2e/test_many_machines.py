@@ -102,13 +102,21 @@ def _eagle3(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 90
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _part_runs(api_url: str) -> list:
+def _args(url: str) -> list[str]:
+    """`eagle3 run` of the tiny preset with artifacts in the bucket at `url` and two parts."""
+    return ["run", "--preset", "tiny", *[a for s in TINY + [f"artifact_root={url}", "extract.parts=2"] for a in ("--set", s)],
+            "--run-dir", "run"]
+
+
+def _runs_of(env: dict[str, str], url: str) -> list:
+    """The extract-part flow runs of the parent runs whose artifact root is `url`."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        return client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["extract-part"])))
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["extract-part"])))
+    return [r for r in runs if r.parameters["config"]["artifact_root"] == url]
 
 
 def _samples(store: Path) -> dict[str, tuple]:
@@ -140,8 +148,7 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
     """Also: a parent stopped by Ctrl-C and started again takes up the part runs it had started."""
     env, root, workers = cluster
     url = f"s3://{BUCKET}/together"
-    args = ["run", "--preset", "tiny", *[a for s in TINY + [f"artifact_root={url}", "extract.parts=2"] for a in ("--set", s)],
-            "--run-dir", "run"]
+    args = _args(url)
     # Ctrl-C once both parts run (SIGINT to the terminal's process group), then the same command again: it
     # waits for the two part runs the first one started instead of starting more.
     (tmp_path / "parent").mkdir()
@@ -149,15 +156,14 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
                                  env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, start_new_session=True)
     deadline = time.time() + 300
-    while len([r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url
-               and r.state.is_running()]) < 2:
+    while len([r for r in _runs_of(env, url) if r.state.is_running()]) < 2:
         assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
         time.sleep(0.5)
     os.killpg(first_try.pid, signal.SIGINT)
     assert first_try.wait(timeout=120) == 130, first_try.communicate()[1][-3000:]
     done = _eagle3(args, tmp_path / "parent", env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runs = [r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url]
+    runs = _runs_of(env, url)
     assert len(runs) == 2 and all(r.state.is_completed() for r in runs)
     first, second = sorted(runs, key=lambda r: r.start_time)
     assert second.start_time < first.end_time, "the two parts did not run at the same time"
@@ -179,14 +185,13 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
     states = {r["name"]: r["state"] for r in summary["stages"] if r["name"] != "gpu_cleanup"}
     assert set(states.values()) == {"Cached"}, states
     assert summary["target_loads"] == []
-    assert len([r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url]) == 2
+    assert len(_runs_of(env, url)) == 2
 
 
 def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, tmp_path):
     env, root, workers = cluster
     url = f"s3://{BUCKET}/one-dies"
-    args = ["run", "--preset", "tiny", *[a for s in TINY + [f"artifact_root={url}", "extract.parts=2"] for a in ("--set", s)],
-            "--run-dir", "run"]
+    args = _args(url)
     parent = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=(tmp_path / "parent").mkdir() or tmp_path / "parent",
                               env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     bucket, deadline, victim = _bucket(), time.time() + 600, None
@@ -203,7 +208,7 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, tmp_path):
     assert parent.returncode == 0, out[-3000:] + err[-3000:]
     survivor = next(w for w in workers.values() if w is not victim)
     assert len(survivor.parts_run_here()) == 2  # its own part and the dead machine's
-    runs = [r for r in _part_runs(env["PREFECT_API_URL"]) if r.parameters["config"]["artifact_root"] == url]
+    runs = _runs_of(env, url)
     assert sorted(r.state.name for r in runs) == ["Completed", "Completed", "Crashed"]
     single = _eagle3(["run", "--preset", "tiny", *[a for s in TINY for a in ("--set", s)], "--run-dir", "single"],
                      tmp_path / "one-machine", env)
