@@ -66,6 +66,13 @@ class PipelineConfig(BaseModel):
                 f"data.max_tokens={self.data.max_tokens} must be below target.max_model_len={self.target.max_model_len}; "
                 "lower data.max_tokens or raise target.max_model_len"
             )
+        if self.extract.parts > 1 and not (is_url(self.artifact_root) or Path(self.artifact_root or "").is_absolute()):
+            raise ValueError(
+                f"extract.parts={self.extract.parts} runs the parts on other workers, which must reach the artifacts, but "
+                + ("artifact_root is not set" if not self.artifact_root else f"artifact_root={self.artifact_root!r} is a "
+                   "relative path") + " (the artifacts would stay in this run's folder); set artifact_root to an fsspec URL "
+                "(s3://bucket/prefix) or the absolute path of a folder every worker mounts, or extract.parts=1"
+            )
         return self
 
     @property

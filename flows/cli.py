@@ -167,6 +167,12 @@ def _interrupted(run_dir: str) -> int:
     return 130
 
 
+def _server_configured() -> bool:
+    from flows.local_server import configured_api_url
+
+    return bool(configured_api_url())
+
+
 def _storage_problem(url: str | None, local: Path) -> str | None:
     """A URL artifact root that cannot be written, found before a server starts or a target loads."""
     from eagle3.storage import StorageError, open_root
@@ -189,6 +195,10 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(str(err), 2)
     if (problem := _storage_problem(config.artifact_url, config.artifacts)) is not None:
         return _fail(problem, 2)
+    if config.extract.parts > 1 and not _server_configured():
+        return _fail(f"extract.parts={config.extract.parts} runs the parts as flow runs on your workers' Prefect server, "
+                     "but no server is configured (a temporary one has no workers): set PREFECT_API_URL to it, or "
+                     "extract.parts=1", 2)
     try:
         _prefect_api(config.run_dir)
         from flows.train_eagle3 import train_eagle3

@@ -99,6 +99,7 @@ def fanned_out_stages(run: StageRunner, config: PipelineConfig, outcome: dict[st
                        config=config.target, cache_dir=config.builtin_cache)
     check_against_target(config, TargetInfo.read(target.path))
     count = config.extract.parts
+    part_tasks.check_part_deployment(config.extract.part_deployment)
     split = run.stage("split_data", part_tasks.split_data, parts.fingerprint_split(config.data, count),
                       config=config.data, parts_count=count)
     calls = []

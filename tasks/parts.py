@@ -32,6 +32,28 @@ class PartFailed(RuntimeError):
     """A part's flow run did not complete."""
 
 
+def check_part_deployment(deployment: str) -> None:
+    """Refuse a fan-out that could only wait forever: the deployment that runs a part must exist on this
+    server (no server configured means a temporary one, which has none). A pool without a live worker
+    is only logged: workers may start later."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            found = client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise PartFailed(f"extract.parts > 1 runs each part as a flow run of the deployment {deployment!r} "
+                             f"(extract.part_deployment), which the Prefect server at {client.api_url} does not have: "
+                             "set PREFECT_API_URL to the server your workers use and run `eagle3 deploy` there, or set "
+                             "extract.parts=1") from None
+        pool = found.work_pool_name
+        online = [w for w in client.read_workers_for_work_pool(pool) if str(w.status).lower().endswith("online")] if pool else []
+    if not online:
+        get_run_logger().warning("no worker of the work pool %r is online: the parts wait until one starts "
+                                 "(`prefect worker start --pool %s` on each GPU machine)", pool, pool)
+
+
 @task(name="split_data")
 def split_data(config: DataConfig, parts_count: int, root: Path, fp: str) -> StageRecord:
     return parts.run_split(config, parts_count, root, fp)

@@ -144,7 +144,17 @@ def _artifact(cwd: Path, run_dir: str, stage: str) -> Path:
     return cwd / next(r["artifact"] for r in rows if r["name"] == stage)
 
 
-def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def one_machine_store(cluster, tmp_path_factory) -> Path:
+    """The extract store of the same settings run on one machine: one process, local artifacts, no parts."""
+    env, _, _ = cluster
+    cwd = tmp_path_factory.mktemp("one-machine")
+    single = _eagle3(["run", "--preset", "tiny", *[a for s in TINY for a in ("--set", s)], "--run-dir", "single"], cwd, env)
+    assert single.returncode == 0, single.stderr[-3000:]
+    return _artifact(cwd, "single", "extract")
+
+
+def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster, one_machine_store, tmp_path):
     """Also: a parent stopped by Ctrl-C and started again takes up the part runs it had started."""
     env, root, workers = cluster
     url = f"s3://{BUCKET}/together"
@@ -169,10 +179,7 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
     assert second.start_time < first.end_time, "the two parts did not run at the same time"
     assert len(workers["a"].parts_run_here()) == 1 and len(workers["b"].parts_run_here()) == 1  # one part per machine
     # The assembled store equals a one-machine run's (one process, local artifacts), sample for sample.
-    single = _eagle3(["run", "--preset", "tiny", *[a for s in TINY for a in ("--set", s)], "--run-dir", "single"],
-                     tmp_path / "one-machine", env)
-    assert single.returncode == 0, single.stderr[-3000:]
-    _assert_same_store(_artifact(tmp_path / "parent", "run", "assemble"), _artifact(tmp_path / "one-machine", "single", "extract"))
+    _assert_same_store(_artifact(tmp_path / "parent", "run", "assemble"), one_machine_store)
     from eagle3.storage import RemoteRoot
 
     assert RemoteRoot(url, tmp_path / "unused").leftovers() == []  # nothing under a temporary name in the bucket
@@ -188,7 +195,7 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
     assert len(_runs_of(env, url)) == 2
 
 
-def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, tmp_path):
+def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, one_machine_store, tmp_path):
     env, root, workers = cluster
     url = f"s3://{BUCKET}/one-dies"
     args = _args(url)
@@ -210,10 +217,7 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, tmp_path):
     assert len(survivor.parts_run_here()) == 2  # its own part and the dead machine's
     runs = _runs_of(env, url)
     assert sorted(r.state.name for r in runs) == ["Completed", "Completed", "Crashed"]
-    single = _eagle3(["run", "--preset", "tiny", *[a for s in TINY for a in ("--set", s)], "--run-dir", "single"],
-                     tmp_path / "one-machine", env)
-    assert single.returncode == 0, single.stderr[-3000:]
-    _assert_same_store(_artifact(tmp_path / "parent", "run", "assemble"), _artifact(tmp_path / "one-machine", "single", "extract"))
+    _assert_same_store(_artifact(tmp_path / "parent", "run", "assemble"), one_machine_store)
     from eagle3.storage import RemoteRoot
 
     assert RemoteRoot(url, tmp_path / "unused").leftovers() == []
@@ -221,10 +225,19 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, tmp_path):
     victim.start()  # the machine comes back for the next test
 
 
-def test_an_unreachable_bucket_fails_before_any_work(cluster, tmp_path):
+def test_bad_settings_fail_before_any_work(cluster, tmp_path):
     env, _, _ = cluster
     done = _eagle3(["run", "--preset", "tiny", "--set", "artifact_root=s3://no-such-bucket/x", "--run-dir", "run"],
                    tmp_path, env)
     assert done.returncode == 2
     assert "artifact_root='s3://no-such-bucket/x'" in done.stderr and "bucket" in done.stderr
     assert not (tmp_path / "run" / "artifacts").exists()  # no stage ran, no target was loaded
+    # parts on other workers, artifacts in this run's own folder: they could not reach them
+    done = _eagle3(["run", "--preset", "tiny", "--set", "extract.parts=2", "--run-dir", "run"], tmp_path, env)
+    assert done.returncode == 2 and "extract.parts=2" in done.stderr and "artifact_root is not set" in done.stderr
+    # parts, but no Prefect server configured: a temporary server has no workers, the run would wait forever
+    no_server = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    done = _eagle3(["run", "--preset", "tiny", "--set", "extract.parts=2", "--set", f"artifact_root=s3://{BUCKET}/x",
+                    "--run-dir", "run"], tmp_path, no_server)
+    assert done.returncode == 2 and "PREFECT_API_URL" in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "artifacts").exists()
