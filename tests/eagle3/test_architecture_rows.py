@@ -19,6 +19,11 @@ the generic rule it replaced (sum of a layer's two outputs) gives the same bits 
 Cohere2Moe, whose layers return (full state, stale residual) and whose aux code takes the first alone
 (FIRST_VALUE_ONLY): test_vllm_aux_states_are_the_layer_outputs_summed_bit_for_bit_except_first_value_rows.
 
+Llama, Qwen3, DeepSeek-V3 and Kimi-K2.5 are rows here too (4 layers; tests/eagle3/test_architectures.py has
+their make-test checks): every row's store is checked against vLLM's own aux hidden states
+(`vllm_own_aux_states`: the class's `set_aux_hidden_state_layers`, then what its forward returns), measured
+equal bit for bit except on the MLA rows (DeepSeek-V3, Kimi-K2.5: 2.4e-7, a batch of prompts against one alone).
+
 Marked `matrix`: each row loads an engine (20-60 s on 2 cores); `make test-matrix` runs them,
 `make test` skips them.
 """
@@ -41,6 +46,7 @@ from tests.eagle3 import arch_builders
 
 pytestmark = pytest.mark.matrix
 ATOL = 1e-4  # float32 on both sides
+AUX_ATOL = 1e-5  # float32, eagle3's store against vLLM's own aux states (the same kernels, other batch shapes)
 H, VOCAB, LAYERS = arch_builders.HIDDEN, arch_builders.VOCAB, 4
 IDS = [1, 2, 3, LAYERS]  # aux ids + N
 COMMON = dict(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=LAYERS, max_position_embeddings=1024,
@@ -69,6 +75,12 @@ def _save(out: Path, config_cls: str, model_cls: str, settings: dict, seed: int 
     raw.update({k: v for k, v in settings.items() if k not in raw})  # keys the config class drops on save
     (out / "config.json").write_text(json.dumps(raw, indent=1))
     return out
+
+
+def llama(out: Path) -> Path:
+    return _save(out, "LlamaConfig", "LlamaForCausalLM", dict(
+        COMMON, architectures=["LlamaForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32))
 
 
 def qwen2(out: Path) -> Path:
@@ -169,6 +181,12 @@ def laguna(out: Path) -> Path:
 
 # row name -> (builder, vLLM class, path the resolver must find)
 ROWS: dict[str, tuple[Callable[[Path], Path], str, str]] = {
+    # the four of tests/eagle3/test_architectures.py (make test), here at 4 layers for the aux and served checks
+    "llama": (llama, "LlamaForCausalLM", "model.layers"),
+    "qwen3": (lambda out: arch_builders.build_qwen3(out, num_layers=LAYERS), "Qwen3ForCausalLM", "model.layers"),
+    "deepseek_v3": (lambda out: arch_builders.build_deepseek_v3(out, num_layers=LAYERS), "DeepseekV3ForCausalLM", "model.layers"),
+    "kimi_k25": (lambda out: arch_builders.build_kimi_k25(out, num_layers=LAYERS), "KimiK25ForConditionalGeneration",
+                 "language_model.model.layers"),
     "qwen2": (qwen2, "Qwen2ForCausalLM", "model.layers"),
     "qwen3_moe": (qwen3_moe, "Qwen3MoeForCausalLM", "model.layers"),
     "gpt_oss": (gpt_oss, "GptOssForCausalLM", "model.layers"),
@@ -288,6 +306,67 @@ def test_vllm_aux_states_are_the_layer_outputs_summed_bit_for_bit_except_first_v
         stale = hf_states(reference, prompt, [k - 1 for k in IDS])
         torch.testing.assert_close(summed, hf_states(reference, prompt, IDS) + stale, atol=ATOL, rtol=0)
         assert (summed - aux).abs().max() > 100 * ATOL
+
+
+def vllm_own_aux_states(llm, prompts: list[list[int]], ids: list[int]) -> list[torch.Tensor]:  # noqa: ANN001 - vllm.LLM
+    """What vLLM itself hands an EAGLE-3 draft for `ids`: the served class's `set_aux_hidden_state_layers(ids)` (through
+    llm.apply_model), then the aux states its forward returns, (hidden_states, [state per id]). One prompt per prefill,
+    so a forward pass's rows are that prompt's positions in order; none of eagle3's capture code is used."""
+    model = vllm_adapter.torch_module(llm)
+    returned: list[list[torch.Tensor]] = []
+
+    def forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the class's forward, its aux states kept
+        out = type(model).forward(model, *args, **kwargs)
+        assert isinstance(out, tuple) and len(out[1]) == len(ids), type(out)
+        returned.append([t.detach().to(torch.float32).clone() for t in out[1]])
+        return out[0]  # the runner (no speculator configured) expects the hidden states alone
+
+    llm.apply_model(lambda m: m.set_aux_hidden_state_layers(tuple(ids)))
+    model.forward = forward
+    try:
+        states = []
+        for prompt in prompts:
+            returned.clear()
+            vllm_adapter.prefill(llm, [prompt])
+            assert len(returned) == 1, f"{len(returned)} forward passes for one {len(prompt)}-token prefill"
+            states.append(torch.stack([t[: len(prompt)] for t in returned[0]], dim=1))  # [T, n_ids, H]
+        return states
+    finally:
+        del model.forward
+        llm.apply_model(lambda m: m.set_aux_hidden_state_layers(()))
+
+
+def _samples(prompts: list[list[int]], answers: list[list[int]] | None = None) -> list:  # list[TokenizedSample]
+    from eagle3.data.conversations import TokenizedSample
+
+    answers = answers or [[] for _ in prompts]
+    return [TokenizedSample(id=f"s{i}", input_ids=p + a, loss_mask=[0] * len(p) + [1] * len(a))
+            for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
+
+
+def _extract(llm, samples: list, store: Path) -> None:  # noqa: ANN001 - vllm.LLM
+    """eagle3's extract stage over the loaded engine: several prefill calls, several shards."""
+    from eagle3.capture.extract import ExtractConfig, extract_store
+
+    extract_store(samples, store, get_engine=lambda: llm, aux_layer_ids=IDS[:-1], num_layers=LAYERS, hidden_size=H,
+                  config=ExtractConfig(samples_per_shard=2, batch_tokens=40), dtype=torch.float32)
+
+
+def test_the_extract_stage_stores_what_vllms_own_eagle3_aux_code_hands_the_draft(row, tmp_path: Path):
+    """The store's states (aux ids and id N) against vLLM's own aux hidden states for the same ids and prompts."""
+    from eagle3.capture.store import StoreReader
+
+    name, llm, _, _ = row
+    samples = _samples(_prompts(seed=len(name) + 2, n=5))
+    _extract(llm, samples, tmp_path / "store")
+    want = vllm_own_aux_states(llm, [s.input_ids for s in samples], IDS)
+    for sample, stored, own in zip(samples, StoreReader(tmp_path / "store"), want, strict=True):
+        assert stored.input_ids.tolist() == sample.input_ids and stored.hidden_states.shape == own.shape
+        if name in BF16_ONLY:  # bf16 kernels: a batch of prompts and one prompt alone round differently
+            assert (stored.hidden_states - own).abs().max() < BF16_MAX_ABS
+        else:  # float32: batched (extract) and alone (here) agree to rounding
+            torch.testing.assert_close(stored.hidden_states, own, atol=AUX_ATOL, rtol=0)
+        print(f"{name} {sample.id}: max abs difference {(stored.hidden_states - own).abs().max():.3g}")  # pytest -rP
 
 
 @pytest.mark.parametrize("name", list(FAILS_ON_VLLM_CPU))
