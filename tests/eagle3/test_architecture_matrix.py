@@ -7,6 +7,9 @@
   layer list and, after it, a final norm (attribute name and norm class as written there). A
   module tree with those names must resolve to the row's path. Seconds, no vLLM engine.
 - docs/architectures.md and the README's Architectures table are generated from the rows.
+- The capture's read of a class's own aux code (eagle3/capture/hooks.py) on a toy inner model whose layers
+  return (full state, stale residual) as Cohere2Moe's do: what is stored, what the caller gets back, the
+  aux settings restored, and a forward that does not return the states asked for refused.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import functools
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from eagle3.capture.architectures import ROWS, Row, markdown, readme_table
@@ -176,3 +180,74 @@ def test_readme_architectures_table_is_generated_from_the_rows():
     section = readme.split("\n## Architectures\n", 1)[-1].split("\n## ", 1)[0]
     assert readme_table() in section, (
         "README.md's Architectures table is stale: paste `python -m eagle3.capture.architectures --readme` there")
+
+
+# -- the capture's read of a class's own aux code (eagle3/capture/hooks.py), on a toy module: no engine --------------
+class _StaleResidualLayer(nn.Module):
+    """Cohere2Moe's convention: returns (full state, the stale residual it got)."""
+
+    def __init__(self, step: float) -> None:
+        super().__init__()
+        self.step = step
+
+    def forward(self, positions, hidden, residual):  # noqa: ANN001, ANN201
+        return hidden + self.step, hidden
+
+
+class _ToyModel(nn.Module):
+    """An inner model with vLLM's aux code as Cohere2Moe writes it: after layer i, append the first value alone."""
+
+    aux_hidden_state_layers: tuple[int, ...] = ()
+
+    def __init__(self, answers_aux: bool = True) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_StaleResidualLayer(float(k)) for k in (1, 2, 3, 4))
+        self.norm = nn.LayerNorm(2)
+        self.answers_aux = answers_aux
+
+    def forward(self, input_ids, positions):  # noqa: ANN001, ANN201
+        hidden, residual, aux = input_ids.float()[:, None].repeat(1, 2), None, []  # [T, 2]
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual)
+            if i + 1 in self.aux_hidden_state_layers:
+                aux.append(hidden)
+        return (hidden, aux) if aux and self.answers_aux else hidden
+
+
+def _toy_capture(inner: nn.Module, ids: list[int], **kw: bool):  # noqa: ANN202 - (states, capture, forward's output)
+    from eagle3.capture.hooks import HiddenStateCapture
+
+    root = nn.Module()
+    root.model = inner
+    capture = HiddenStateCapture(resolve_decoder_stack(root), ids, **kw)
+    capture.install()
+    try:
+        with capture.collecting([[5, 6, 7]], hidden_size=2) as states:
+            out = inner(torch.tensor([5, 6, 7]), torch.arange(3))
+        return states[0], capture, out
+    finally:
+        capture.remove()
+
+
+def test_the_capture_stores_what_the_classs_own_aux_code_returns_and_leaves_its_settings_as_they_were():
+    tokens = torch.tensor([5.0, 6.0, 7.0])[:, None, None]
+    state, capture, out = _toy_capture(_ToyModel(), [1, 4])
+    assert capture.reads == "vllm-aux" and isinstance(out, torch.Tensor)  # the caller gets what it would have
+    assert torch.equal(state, (tokens + torch.tensor([1.0, 10.0])[None, :, None]).expand(3, 2, 2))  # full states
+    summed, capture, _ = _toy_capture(_ToyModel(), [1, 4], from_vllm_aux=False)  # the layer-hook rule: full + stale
+    assert capture.reads == "layer-hooks"
+    assert torch.equal(summed, (2 * tokens + torch.tensor([1.0, 16.0])[None, :, None]).expand(3, 2, 2))
+    served = _ToyModel()
+    served.aux_hidden_state_layers = (2,)  # a speculator's ids, set before: handed back, and still set after
+    _, _, out = _toy_capture(served, [1, 4])
+    assert isinstance(out, tuple) and len(out[1]) == 1 and torch.equal(out[1][0][:, 0], torch.tensor([8.0, 9.0, 10.0]))
+    assert served.aux_hidden_state_layers == (2,) and _ToyModel().aux_hidden_state_layers == ()
+
+
+def test_a_forward_that_does_not_return_the_aux_states_asked_for_is_an_error():
+    from eagle3.capture.hooks import CaptureError
+
+    inner = _ToyModel(answers_aux=False)
+    with pytest.raises(CaptureError, match=r"_ToyModel.forward, asked for the aux hidden states of ids \[1, 4\], returned a Tensor"):
+        _toy_capture(inner, [1, 4])
+    assert "aux_hidden_state_layers" not in vars(inner)  # the class default again

