@@ -6,12 +6,14 @@ A part whose flow run does not end Completed (failed, crashed, its worker gone a
 Crashed by the server's zombie automation, or still running after `extract.part_timeout_s`) fails
 this task, and Prefect's task retries start the part again, on whichever worker takes it: the part's
 finished shards are in the bucket, and its stages reuse them. Each attempt's flow run has an
-idempotency key (part fingerprint + attempt), so a parent started again while the parts of an
+idempotency key (part fingerprint, a hash of its parameters, attempt), so a parent started again while the parts of an
 earlier one still run waits for those runs instead of starting more.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from pathlib import Path
 
@@ -26,6 +28,10 @@ from eagle3.stages import out_dir
 from eagle3.storage import open_root
 
 PART_RETRIES = 2  # a part is started at most 1 + PART_RETRIES times
+
+
+def _jsonable(value: object) -> object:
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else str(value)
 
 
 class PartFailed(RuntimeError):
@@ -71,7 +77,11 @@ def run_part(deployment: str, parameters: dict, timeout_s: float, artifact_url: 
     index = parameters["index"]
     # One flow run per part and attempt, whoever asks: a parent started again while an earlier parent's part
     # still runs (Ctrl-C, a crash of the machine it ran on) waits for that run instead of starting a second.
-    key = f"eagle3-part-{fp}-attempt-{task_run.run_count}"
+    # The key names everything the run is given (the artifact root among it: the same part of the same data
+    # for another bucket is another run), and the attempt.
+    asked = hashlib.sha256(json.dumps({"deployment": deployment, "parameters": parameters}, sort_keys=True,
+                                      default=_jsonable).encode()).hexdigest()[:16]
+    key = f"eagle3-part-{fp}-{asked}-attempt-{task_run.run_count}"
     flow_run = run_deployment(name=deployment, parameters=parameters, timeout=0, idempotency_key=key)
     fresh = False
     if flow_run.state is not None and flow_run.state.is_final() and not flow_run.state.is_completed():

@@ -7,6 +7,7 @@ third folder with `artifact_root` in the bucket and `extract.parts=2`."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,11 +200,18 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, one_machine_st
     env, root, workers = cluster
     url = f"s3://{BUCKET}/one-dies"
     args = _args(url)
-    parent = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=(tmp_path / "parent").mkdir() or tmp_path / "parent",
-                              env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for worker in workers.values():  # the same data as the test before: its parts would come back from the machines'
+        shutil.rmtree(worker.folder / "eagle3-parts", ignore_errors=True)  # local caches, done before any kill
+    (tmp_path / "parent").mkdir()
+    out_file, err_file = open(tmp_path / "parent.out", "w+"), open(tmp_path / "parent.err", "w+")  # read on failure
+    parent = subprocess.Popen([sys.executable, "-m", "flows.cli", *args, "--verbose"], cwd=tmp_path / "parent",
+                              env=env | {"PYTHONPATH": str(ROOT)}, stdout=out_file, stderr=err_file, text=True)
+
+    def output() -> str:
+        return (tmp_path / "parent.out").read_text()[-3000:] + (tmp_path / "parent.err").read_text()[-6000:]
     bucket, deadline, victim = _bucket(), time.time() + 600, None
     while victim is None:  # the first shard of a part in the bucket: kill the machine extracting it
-        assert parent.poll() is None and time.time() < deadline, parent.communicate()[1][-3000:]
+        assert parent.poll() is None and time.time() < deadline, output()
         for worker in workers.values():
             for folder in (worker.folder / "eagle3-parts").glob("*/part-*/artifacts/extract/*"):
                 name = f"{BUCKET}/one-dies/extract/{folder.name}"
@@ -211,8 +219,12 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, one_machine_st
                     victim, shards_before = worker, {n for n in bucket.find(name) if "shard-" in n}
         time.sleep(0.5)
     victim.kill()
-    out, err = parent.communicate(timeout=900)
-    assert parent.returncode == 0, out[-3000:] + err[-3000:]
+    try:
+        parent.wait(timeout=900)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert parent.returncode == 0, output()
     survivor = next(w for w in workers.values() if w is not victim)
     assert len(survivor.parts_run_here()) == 2  # its own part and the dead machine's
     runs = _runs_of(env, url)
