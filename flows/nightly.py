@@ -38,7 +38,6 @@ from tasks import nightly as nightly_tasks
 from tasks import stages as data_tasks
 from tasks.gpu import gpu_cleanup
 from tasks.gpu_slot import gpu_slot
-from tasks.output import ENGINE_LOG
 
 Part = tuple[str, StageRecord, StageRecord]  # (file label, prepared, extracted)
 WARM_START_VERSION = "1"  # of the warm-start train and parent-vocab fingerprints

@@ -38,7 +38,6 @@ from flows.runner import StageFailed, StageRunner, open_runner
 from flows.train_eagle3 import Chain, draft_chain, target_stages
 from tasks import console
 from tasks import draft as draft_tasks
-from tasks.output import ENGINE_LOG
 
 __all__ = ["sweep_eagle3"]
 

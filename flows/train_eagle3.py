@@ -41,7 +41,6 @@ from tasks import parts as part_tasks
 from tasks import stages as data_tasks
 from tasks.gpu import gpu_cleanup
 from tasks.gpu_slot import gpu_slot
-from tasks.output import ENGINE_LOG
 
 __all__ = ["Chain", "StageFailed", "draft_chain", "target_stages", "train_eagle3"]
 
