@@ -27,6 +27,7 @@ its matrix products, not by the single all-reduce.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -144,3 +145,15 @@ def sum_values(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
         dist.barrier()
+
+
+def check_rdzv_endpoint(endpoint: str | None, nnodes: int) -> None:
+    """train.rdzv_endpoint: 'host:port' (an IPv6 host in brackets), required when several machines train."""
+    expected = ("'host:port': a name or IP of node 0 (the machine that runs the train stage) that the other machines "
+                "reach, and a free TCP port there, e.g. 'node0.cluster:29400'")
+    if endpoint is None:
+        raise ValueError(f"train.rdzv_endpoint is not set, but train.nnodes={nnodes} needs the rendezvous address as "
+                         f"{expected}")
+    found = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", endpoint)
+    if found is None or not 0 < int(found.group(2)) < 65536:
+        raise ValueError(f"train.rdzv_endpoint is {endpoint!r}; expected {expected}")

@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -143,7 +142,7 @@ class TrainConfig(BaseModel):
         if isinstance(self.num_processes, int) and self.num_processes < 1:
             raise ValueError(f"train.num_processes is {self.num_processes}; expected a number >= 1 or 'auto'")
         if self.nnodes > 1 or self.rdzv_endpoint is not None:
-            _check_endpoint(self.rdzv_endpoint, self.nnodes)
+            ddp.check_rdzv_endpoint(self.rdzv_endpoint, self.nnodes)
         if isinstance(self.num_processes, int) and self.grad_accum % (self.nnodes * self.num_processes):
             ranks = self.nnodes * self.num_processes
             raise ValueError(f"train.grad_accum ({self.grad_accum}) does not split over train.num_processes "
@@ -154,18 +153,6 @@ class TrainConfig(BaseModel):
                              "machines of train.num_processes='auto' ranks each; set train.grad_accum to a multiple of "
                              "train.nnodes x the ranks per machine")
         return self
-
-
-def _check_endpoint(endpoint: str | None, nnodes: int) -> None:
-    """train.rdzv_endpoint: 'host:port' (an IPv6 host in brackets), required when several machines train."""
-    expected = ("'host:port': a name or IP of node 0 (the machine that runs the train stage) that the other machines "
-                "reach, and a free TCP port there, e.g. 'node0.cluster:29400'")
-    if endpoint is None:
-        raise ValueError(f"train.rdzv_endpoint is not set, but train.nnodes={nnodes} needs the rendezvous address as "
-                         f"{expected}")
-    found = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", endpoint)
-    if found is None or not 0 < int(found.group(2)) < 65536:
-        raise ValueError(f"train.rdzv_endpoint is {endpoint!r}; expected {expected}")
 
 
 @dataclass(frozen=True)
