@@ -22,7 +22,7 @@ from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, pa
 from eagle3.draft.ddp import DistError
 from eagle3.draft.evaluate import EvalConfig
 from eagle3.draft.launch import resolve_num_processes
-from eagle3.draft.train import TrainConfig, TrainError
+from eagle3.draft.train_config import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
 from eagle3.gpu.cleanup import GpuCleanupConfig
 from eagle3.storage import is_url
@@ -32,6 +32,16 @@ PresetName = Literal["tiny", "demo"]
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
+
+
+def shared_root_problem(artifact_root: str | None, what: str, instead: str) -> str | None:
+    """Why work run on other workers could not reach the artifacts of `artifact_root` (None: it can)."""
+    if is_url(artifact_root) or Path(artifact_root or "").is_absolute():
+        return None
+    where = "artifact_root is not set" if not artifact_root else f"artifact_root={artifact_root!r} is a relative path"
+    return (f"{what} on other workers, which must reach the artifacts, but {where} (the artifacts would stay in this "
+            "run's folder); set artifact_root to an fsspec URL (s3://bucket/prefix) or the absolute path of a folder "
+            f"every worker mounts, or {instead}")
 
 
 class PipelineConfig(BaseModel):
@@ -66,13 +76,9 @@ class PipelineConfig(BaseModel):
                 f"data.max_tokens={self.data.max_tokens} must be below target.max_model_len={self.target.max_model_len}; "
                 "lower data.max_tokens or raise target.max_model_len"
             )
-        if self.extract.parts > 1 and not (is_url(self.artifact_root) or Path(self.artifact_root or "").is_absolute()):
-            raise ValueError(
-                f"extract.parts={self.extract.parts} runs the parts on other workers, which must reach the artifacts, but "
-                + ("artifact_root is not set" if not self.artifact_root else f"artifact_root={self.artifact_root!r} is a "
-                   "relative path") + " (the artifacts would stay in this run's folder); set artifact_root to an fsspec URL "
-                "(s3://bucket/prefix) or the absolute path of a folder every worker mounts, or extract.parts=1"
-            )
+        if self.extract.parts > 1 and (problem := shared_root_problem(
+                self.artifact_root, f"extract.parts={self.extract.parts} runs the parts", "extract.parts=1")):
+            raise ValueError(problem)
         return self
 
     @property

@@ -100,8 +100,9 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
 
 
 # -- export ------------------------------------------------------------------------------
-def fingerprint_export(trained: StageRecord) -> str:
-    return stage_fingerprint("export", {}, trained.fingerprint)
+def fingerprint_export(trained: StageRecord | str) -> str:
+    """`trained`: the train record, or its fingerprint (a chain named before it runs, eagle3 sweep --on-workers)."""
+    return stage_fingerprint("export", {}, trained if isinstance(trained, str) else trained.fingerprint)
 
 
 def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, root: Path, fp: str) -> StageRecord:
@@ -118,8 +119,10 @@ def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, ro
 
 
 # -- evaluate ----------------------------------------------------------------------------
-def fingerprint_evaluate(config: EvalConfig, exported: StageRecord, extracted: StageRecord) -> str:
-    return stage_fingerprint("evaluate", config, exported.fingerprint, extracted.fingerprint)
+def fingerprint_evaluate(config: EvalConfig, exported: StageRecord | str, extracted: StageRecord) -> str:
+    """`exported`: the export record, or its fingerprint."""
+    return stage_fingerprint("evaluate", config, exported if isinstance(exported, str) else exported.fingerprint,
+                             extracted.fingerprint)
 
 
 def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord,

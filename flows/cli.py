@@ -3,7 +3,8 @@
     eagle3 run (--preset tiny|demo | --config FILE.yaml) [--set key=value ...] [--run-dir DIR]
     eagle3 demo [--run-dir DIR]              same as: eagle3 run --preset demo
     eagle3 sweep (--preset tiny|demo | --config FILE.yaml) --grid train.learning_rate=3e-4,1e-3 [--grid ...]
-                 [--set key=value ...] [--run-dir DIR]      one extraction, one train->export->evaluate per point
+                 [--set key=value ...] [--run-dir DIR] [--on-workers]
+                                             one extraction, one train->export->evaluate per point
     eagle3 gpu-cleanup [--mode own|match|all] [--allow-all] [--dry-run] [--json] [--run-dir DIR]
     eagle3 nightly (--preset tiny|demo | --config FILE.yaml) [--incoming DIR] [--registry DIR] [--set key=value ...]
     eagle3 deploy [--timezone TZ] [--cron CRON] [--incoming DIR] [--registry DIR]
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override one setting for every point, e.g. train.steps=100")
     sweep.add_argument("--run-dir", help="folder of the sweep (default: the preset's with -sweep, e.g. runs/tiny-sweep)")
+    sweep.add_argument("--on-workers", action="store_true",
+                       help="run the points side by side, each a train-eagle3 flow run on the gpu work pool of the "
+                            "configured Prefect server (artifact_root: a URL or a folder every worker mounts)")
     sweep.add_argument("--verbose", action="store_true", help="show Prefect's log on the console")
     demo = sub.add_parser("demo", help="run the embedded default (SmolLM2-135M-Instruct)")
     demo.add_argument("--run-dir", default="runs/demo")
@@ -93,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train_node(args: argparse.Namespace) -> int:
     from eagle3.draft.launch import join_training
-    from eagle3.draft.train import TrainError
+    from eagle3.draft.train_config import TrainError
 
     try:
         join_training(args.spec, args.node_rank)
@@ -184,6 +188,19 @@ def _storage_problem(url: str | None, local: Path) -> str | None:
     return None
 
 
+def _on_workers_problem(artifact_root: str | None) -> str | None:
+    """Why `eagle3 sweep --on-workers` could not work here, found before any work: the workers must reach the
+    artifacts, and a temporary server has no workers."""
+    from eagle3.config import shared_root_problem
+
+    if (problem := shared_root_problem(artifact_root, "--on-workers runs the points", "leave out --on-workers")):
+        return problem
+    if not _server_configured():
+        return ("--on-workers runs the points as flow runs on your workers' Prefect server, but no server is configured "
+                "(a temporary one has no workers): set PREFECT_API_URL to it, or leave out --on-workers")
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     _quiet_console(args.verbose)
     from eagle3.config import ConfigError, build_config
@@ -229,6 +246,8 @@ def _sweep(args: argparse.Namespace) -> int:
         return _fail(str(err), 2)
     if (problem := _storage_problem(base.artifact_url, base.artifacts)) is not None:
         return _fail(problem, 2)
+    if args.on_workers and (problem := _on_workers_problem(base.artifact_root)) is not None:
+        return _fail(problem, 2)
     try:
         _prefect_api(base.run_dir)
         from flows.sweep import sweep_eagle3
@@ -237,7 +256,7 @@ def _sweep(args: argparse.Namespace) -> int:
         ensure_gpu_limit()
         print(f"eagle3 sweep: run dir {base.run_dir}; target {base.target.model}; {len(points)} points over one "
               "extraction", flush=True)
-        state = sweep_eagle3(base, grid, return_state=True)
+        state = sweep_eagle3(base, grid, on_workers=args.on_workers, return_state=True)
     except KeyboardInterrupt:
         return _interrupted(base.run_dir)
     except ServerStartError as err:

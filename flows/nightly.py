@@ -32,7 +32,7 @@ from eagle3.ops.nightly import NightlyConfig
 from eagle3.ops.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
 from eagle3.ops.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
-from flows.runner import StageRunner, open_runner
+from flows.runner import StageRunner, enter_work_dir, open_runner
 from tasks import draft as draft_tasks
 from tasks import nightly as nightly_tasks
 from tasks import stages as data_tasks
@@ -123,6 +123,7 @@ def _candidate(exported: StageRecord, evaluated: StageRecord, assembled: StageRe
 
 @flow(name="nightly-eagle3", log_prints=False)
 def nightly_eagle3(config: NightlyConfig) -> RunSummary:
+    enter_work_dir()  # a worker's run (the schedule's): its relative run_dir under $EAGLE3_WORK_DIR, its machine's slot
     p = config.pipeline
     run_dir = Path(p.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

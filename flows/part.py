@@ -10,7 +10,6 @@ artifact root; every stage's artifact goes back there, the `part` record last.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -20,19 +19,15 @@ from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig
 from eagle3.ops.summary import RunSummary, loads_since, write_summary
-from flows.runner import open_runner
+from flows.runner import enter_work_dir, open_runner
 from flows.train_eagle3 import target_stages
 from tasks import parts as part_tasks
-from tasks.gpu_slot import ensure_gpu_limit
 
-
-WORK_DIR_ENV = "EAGLE3_WORK_DIR"  # a worker's own folder: part run folders (relative) are made there
 
 
 @flow(name="extract-part", log_prints=False)
 def extract_part(config: PipelineConfig, split_fp: str, index: int, part_fp: str) -> StageRecord:
-    if os.environ.get(WORK_DIR_ENV):  # each flow run is a process of its own: the change of folder is its alone
-        os.chdir(os.environ[WORK_DIR_ENV])
+    enter_work_dir()
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     load_log = run_dir / "logs" / "target_loads.jsonl"
@@ -40,7 +35,6 @@ def extract_part(config: PipelineConfig, split_fp: str, index: int, part_fp: str
     if run.remote is not None and not run.remote.pull("split_data", split_fp):
         raise FileNotFoundError(f"split_data/{split_fp} is not whole under {config.artifact_url}: the parent run "
                                 "writes it before it starts the parts")
-    ensure_gpu_limit()  # this machine's slot (EAGLE3_GPU_SLOT), created on first use
     cleanups: list[dict] = []
     started = time.time()
     try:

@@ -16,6 +16,7 @@ to the console only when tasks.console echoes it.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from pathlib import Path
@@ -34,6 +35,24 @@ from tasks.output import child_output_to_logs
 # Stages whose artifact names this machine's own files (stage_target records the local model folder):
 # every machine builds its own (in seconds: a config, the head weights), none is shared through the bucket.
 MACHINE_LOCAL = {"stage_target"}
+WORK_DIR_ENV = "EAGLE3_WORK_DIR"  # a worker's own folder: the relative run folders of the runs it takes are made there
+
+
+def enter_work_dir() -> None:
+    """In a flow run a worker started (a part, a sweep's point, a train-eagle3 or nightly run from the UI or a
+    schedule): make the relative run folder under the worker's $EAGLE3_WORK_DIR when set (each such run is a process
+    of its own: the change of folder is its alone), and create this machine's `gpu` slot ($EAGLE3_GPU_SLOT) on first
+    use. A run in the caller's process (`eagle3 run`) stays where it was started; the CLI made its slot."""
+    from prefect.context import FlowRunContext
+
+    from tasks.gpu_slot import ensure_gpu_limit
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None or context.flow_run.deployment_id is None:
+        return
+    if os.environ.get(WORK_DIR_ENV):
+        os.chdir(os.environ[WORK_DIR_ENV])
+    ensure_gpu_limit()
 
 
 class StageFailed(RuntimeError):
@@ -122,6 +141,14 @@ class StageRunner:
     def concurrent(self, name: str, task: Task, calls: list[tuple[str, str, dict]]) -> list[StageRecord]:
         """Run the cached stage `name` once per (fp, label, kwargs) in `calls`, side by side (Prefect's task
         runner threads); a row each, in order. The first failure is raised once every call has ended."""
+        outcomes = self.concurrent_outcomes(name, task, calls)
+        failure = next((o for o in outcomes if isinstance(o, StageFailed)), None)
+        if failure is not None:
+            raise failure
+        return outcomes  # type: ignore[return-value]
+
+    def concurrent_outcomes(self, name: str, task: Task, calls: list[tuple[str, str, dict]]) -> list[StageRecord | StageFailed]:
+        """`concurrent`, but each call's failure is returned in its place rather than raised."""
         started = time.time()
         results = self.remote.results_url if self.remote is not None else None
         futures = []
@@ -129,17 +156,14 @@ class StageRunner:
             if self.remote is not None:
                 self.remote.pull(name, fp)
             futures.append((label, fp, cached(task, self.root, name, fp, results=results).submit(**kwargs, root=self.root, fp=fp)))
-        records: list[StageRecord] = []
-        failure: StageFailed | None = None
+        outcomes: list[StageRecord | StageFailed] = []
         for label, fp, future in futures:
             future.wait()
             try:
-                records.append(self._finish(label, future.state, started, self.root / name / fp))  # type: ignore[arg-type]
+                outcomes.append(self._finish(label, future.state, started, self.root / name / fp))  # type: ignore[arg-type]
             except StageFailed as err:
-                failure = failure or err
-        if failure is not None:
-            raise failure
-        return records
+                outcomes.append(err)
+        return outcomes
 
     def _remote_stage(self, name: str, task: Task, fp: str, **kwargs: object) -> State:
         remote = self.remote

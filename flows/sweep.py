@@ -9,7 +9,10 @@ The upstream block and each chain are train_eagle3's own (flows.train_eagle3.tar
 draft_chain): the same tasks, fingerprints and cache, so a point whose settings equal an earlier
 run's comes back Cached, a killed sweep resumes at the point it was in, and a rerun is all Cached.
 The points run one after another, each holding the `gpu` slot from train to evaluate (as a single
-run does); running them side by side on several GPUs or workers is not built yet.
+run does). With `on_workers` (eagle3 sweep --on-workers) they run side by side instead, each a flow
+run of the train-eagle3 deployment on the `gpu` work pool (tasks.points): its upstream stages come
+back Cached from the bucket this flow filled, its chain runs on whichever worker takes it, and this
+flow brings the three artifacts down by fingerprint once it completes.
 
 A point that fails does not stop the others; the flow fails at the end, naming the first failure.
 The report (eagle3.ops.sweep) goes to <run_dir>/sweep.md, its plot next to it, and a markdown
@@ -25,7 +28,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3 import draft_stages
-from eagle3.artifacts import StageRecord
+from eagle3.artifacts import StageRecord, read_complete
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig
 from eagle3.ops.summary import StageRow, loads_since, write_summary
@@ -38,6 +41,8 @@ from flows.runner import StageFailed, StageRunner, open_runner
 from flows.train_eagle3 import Chain, draft_chain, target_stages
 from tasks import console
 from tasks import draft as draft_tasks
+from tasks import points as point_tasks
+from tasks.parts import check_part_deployment
 
 __all__ = ["sweep_eagle3"]
 
@@ -70,8 +75,10 @@ def _chain_state(rows: list[StageRow]) -> str:
 
 
 @flow(name="sweep-eagle3", log_prints=False)
-def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis]) -> SweepSummary:
-    """`config`: the settings every point shares; `grid`: the swept settings (eagle3.ops.sweep)."""
+def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis], on_workers: bool = False) -> SweepSummary:
+    """`config`: the settings every point shares; `grid`: the swept settings (eagle3.ops.sweep); `on_workers`:
+    run the points side by side as flow runs of the train-eagle3 deployment (the artifact root must be a URL or
+    a folder every worker mounts)."""
     points = expand_points(config, grid)  # validated before any work (the CLI did it already)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -84,10 +91,15 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis]) -> SweepSummary:
     failures: list[StageFailed] = []
     started = time.time()
     try:
+        if on_workers:
+            check_part_deployment(point_tasks.POINT_DEPLOYMENT, what="eagle3 sweep --on-workers runs each point",
+                                  setting="the train-eagle3 deployment", instead="leave out --on-workers")
         target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome,
                                                     also_check=[p.config for p in points])
         vocabs = _vocabs(run, points, prepared, target)
-        for point, vocab in zip(points, vocabs):
+        if on_workers:
+            _points_on_workers(run, config, points, vocabs, target, extracted, results, failures)
+        for point, vocab in zip(points, vocabs) if not on_workers else ():
             console.say(f"point {point.index}/{len(points)}: {point.label()}")
             chain, first_row = Chain(), len(run.rows)
             try:
@@ -103,6 +115,35 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis]) -> SweepSummary:
         vllm_adapter.release_all()
         summary = _finish(config, grid, list(results.values()), run, cleanups, outcome, loads_since(load_log, started))
     return summary
+
+
+def _points_on_workers(run: StageRunner, config: PipelineConfig, points: list[SweepPoint], vocabs: list[StageRecord],
+                       target: StageRecord, extracted: StageRecord, results: dict[int, PointResult],
+                       failures: list[StageFailed]) -> None:
+    """Every point's chain as a flow run on the gpu pool, side by side; `results` and `failures` filled in."""
+    calls, fps = [], []
+    for point, vocab in zip(points, vocabs):
+        train_fp = draft_stages.fingerprint_train(point.config.train, extracted, vocab, target)
+        export_fp = draft_stages.fingerprint_export(train_fp)
+        chain_fps = {"train": train_fp, "export": export_fp,
+                     "evaluate": draft_stages.fingerprint_evaluate(point.config.eval, export_fp, extracted)}
+        point_config = point.config.model_copy(update={"run_dir": f"{config.run_dir}/point-{point.index}"})
+        fp = point_tasks.point_fingerprint(chain_fps)
+        fps.append(chain_fps)
+        calls.append((fp, f"point[{point.index}]", {
+            "index": point.index, "parameters": {"config": point_config}, "chain_fps": chain_fps,
+            "timeout_s": point_tasks.POINT_TIMEOUT_S, "artifact_url": config.artifact_url}))
+    console.say(f"{len(points)} points side by side on the gpu work pool ({point_tasks.POINT_DEPLOYMENT})")
+    first_row = len(run.rows)
+    outcomes = run.concurrent_outcomes("point", point_tasks.run_point, calls)
+    for point, chain_fps, done, row in zip(points, fps, outcomes, run.rows[first_row:]):
+        if isinstance(done, StageFailed):
+            failures.append(done)
+            results[point.index] = _result(point, Chain(), "Failed")
+            continue
+        chain = Chain(*(run.localized(stage, read_complete(run.root / stage / chain_fps[stage]))  # type: ignore[arg-type]
+                        for stage in point_tasks.CHAIN))
+        results[point.index] = _result(point, chain, _chain_state([row]))
 
 
 def _finish(config: PipelineConfig, grid: list[GridAxis], results: list[PointResult], run: StageRunner,

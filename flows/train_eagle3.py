@@ -34,7 +34,7 @@ from eagle3.data.target import TargetInfo
 from eagle3.ops import incremental, parts
 from eagle3.ops.summary import RunSummary, data_report, loads_since, write_summary
 from flows.report import run_report
-from flows.runner import StageFailed, StageRunner, open_runner
+from flows.runner import StageFailed, StageRunner, enter_work_dir, open_runner
 from tasks import draft as draft_tasks
 from tasks import nightly as nightly_tasks
 from tasks import parts as part_tasks
@@ -137,6 +137,7 @@ def draft_chain(run: StageRunner, config: PipelineConfig, target: StageRecord, e
 
 @flow(name="train-eagle3", log_prints=False)
 def train_eagle3(config: PipelineConfig) -> RunSummary:
+    enter_work_dir()  # a worker's run (the UI's, a sweep's point): its relative run_dir under $EAGLE3_WORK_DIR
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     load_log = run_dir / "logs" / "target_loads.jsonl"

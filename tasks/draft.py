@@ -10,7 +10,7 @@ from prefect import task
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
 from eagle3.draft.evaluate import EvalConfig
-from eagle3.draft.train import TrainConfig
+from eagle3.draft.train_config import TrainConfig
 from eagle3.draft.vocab import VocabConfig
 from tasks.progress import progress_reporter
 

@@ -38,10 +38,11 @@ class PartFailed(RuntimeError):
     """A part's flow run did not complete."""
 
 
-def check_part_deployment(deployment: str) -> None:
-    """Refuse a fan-out that could only wait forever: the deployment that runs a part must exist on this
-    server (no server configured means a temporary one, which has none). A pool without a live worker
-    is only logged: workers may start later."""
+def check_part_deployment(deployment: str, what: str = "extract.parts > 1 runs each part",
+                          setting: str = "extract.part_deployment", instead: str = "set extract.parts=1") -> None:
+    """Refuse a fan-out that could only wait forever: the deployment that runs a part (or a sweep's point) must
+    exist on this server (no server configured means a temporary one, which has none). A pool without a live
+    worker is only logged: workers may start later."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -49,15 +50,42 @@ def check_part_deployment(deployment: str) -> None:
         try:
             found = client.read_deployment_by_name(deployment)
         except ObjectNotFound:
-            raise PartFailed(f"extract.parts > 1 runs each part as a flow run of the deployment {deployment!r} "
-                             f"(extract.part_deployment), which the Prefect server at {client.api_url} does not have: "
-                             "set PREFECT_API_URL to the server your workers use and run `eagle3 deploy` there, or set "
-                             "extract.parts=1") from None
+            raise PartFailed(f"{what} as a flow run of the deployment {deployment!r} ({setting}), which the Prefect "
+                             f"server at {client.api_url} does not have: set PREFECT_API_URL to the server your workers "
+                             f"use and run `eagle3 deploy` there, or {instead}") from None
         pool = found.work_pool_name
         online = [w for w in client.read_workers_for_work_pool(pool) if str(w.status).lower().endswith("online")] if pool else []
     if not online:
-        get_run_logger().warning("no worker of the work pool %r is online: the parts wait until one starts "
+        get_run_logger().warning("no worker of the work pool %r is online: the runs wait until one starts "
                                  "(`prefect worker start --pool %s` on each GPU machine)", pool, pool)
+
+
+def run_and_wait(deployment: str, parameters: dict, timeout_s: float, what: str, key_prefix: str):  # noqa: ANN201 - a FlowRun
+    """Start `deployment`'s flow run with `parameters` and wait for it; raise PartFailed unless it completed.
+
+    One flow run per (key_prefix, parameters, attempt), whoever asks: a parent started again while an earlier
+    parent's run still runs (Ctrl-C, a crash of the machine it ran on) waits for that run instead of starting a
+    second. The key names everything the run is given (the artifact root among it: the same work for another
+    bucket is another run), and this task's attempt."""
+    from prefect.deployments import run_deployment
+
+    asked = hashlib.sha256(json.dumps({"deployment": deployment, "parameters": parameters}, sort_keys=True,
+                                      default=_jsonable).encode()).hexdigest()[:16]
+    key = f"{key_prefix}-{asked}-attempt-{task_run.run_count}"
+    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=0, idempotency_key=key)
+    fresh = False
+    if flow_run.state is not None and flow_run.state.is_final() and not flow_run.state.is_completed():
+        key, fresh = f"{key}-{uuid.uuid4().hex[:8]}", True  # that attempt ended badly under an earlier parent
+    # the same key again: the run above, waited for (or, fresh, a new one, shown under this task like the first)
+    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=timeout_s, poll_interval=2,
+                              idempotency_key=key, as_subflow=fresh)
+    state = flow_run.state
+    get_run_logger().info("%s: flow run %s ended %s", what, flow_run.name, state.name if state else "unknown")
+    if state is None or not state.is_completed():
+        why = (state.message or state.name) if state is not None else "no state"
+        raise PartFailed(f"{what}: flow run {flow_run.name!r} of {deployment!r} did not complete ({why}); "
+                         "its worker's log says why, it is started again")
+    return flow_run
 
 
 @task(name="split_data")
@@ -72,29 +100,8 @@ def part_record(prepared: StageRecord, extracted: StageRecord, root: Path, fp: s
 
 @task(name="part", retries=PART_RETRIES, retry_delay_seconds=2)
 def run_part(deployment: str, parameters: dict, timeout_s: float, artifact_url: str | None, root: Path, fp: str) -> StageRecord:
-    from prefect.deployments import run_deployment
-
     index = parameters["index"]
-    # One flow run per part and attempt, whoever asks: a parent started again while an earlier parent's part
-    # still runs (Ctrl-C, a crash of the machine it ran on) waits for that run instead of starting a second.
-    # The key names everything the run is given (the artifact root among it: the same part of the same data
-    # for another bucket is another run), and the attempt.
-    asked = hashlib.sha256(json.dumps({"deployment": deployment, "parameters": parameters}, sort_keys=True,
-                                      default=_jsonable).encode()).hexdigest()[:16]
-    key = f"eagle3-part-{fp}-{asked}-attempt-{task_run.run_count}"
-    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=0, idempotency_key=key)
-    fresh = False
-    if flow_run.state is not None and flow_run.state.is_final() and not flow_run.state.is_completed():
-        key, fresh = f"{key}-{uuid.uuid4().hex[:8]}", True  # that attempt ended badly under an earlier parent
-    # the same key again: the run above, waited for (or, fresh, a new one, shown under this task like the first)
-    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=timeout_s, poll_interval=2,
-                              idempotency_key=key, as_subflow=fresh)
-    state = flow_run.state
-    get_run_logger().info("part %d: flow run %s ended %s", index, flow_run.name, state.name if state else "unknown")
-    if state is None or not state.is_completed():
-        why = (state.message or state.name) if state is not None else "no state"
-        raise PartFailed(f"part {index}: flow run {flow_run.name!r} of {deployment!r} did not complete ({why}); "
-                         "its worker's log says why, the part is started again")
+    flow_run = run_and_wait(deployment, parameters, timeout_s, f"part {index}", f"eagle3-part-{fp}")
     remote = open_root(artifact_url, root, check=False)
     if remote is not None:
         remote.pull("part", fp)

@@ -62,7 +62,10 @@ class Worker:
         folder.mkdir(parents=True, exist_ok=True)
         self.env = env | {"EAGLE3_WORK_DIR": str(folder), "EAGLE3_CACHE_DIR": str(folder / "cache"),
                           "EAGLE3_GPU_SLOT": f"gpu-{name}", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
-                          "PREFECT_LOGGING_EXTRA_LOGGERS": "eagle3"}
+                          "PREFECT_LOGGING_EXTRA_LOGGERS": "eagle3",
+                          # how often the worker asks for runs (default 10 s): the parts' and points' runs are tiny
+                          # here, and a second worker that asks 10 s late finds the other run nearly done
+                          "PREFECT_WORKER_QUERY_SECONDS": "2"}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -109,14 +112,14 @@ def _args(url: str) -> list[str]:
             "--run-dir", "run"]
 
 
-def _runs_of(env: dict[str, str], url: str) -> list:
-    """The extract-part flow runs of the parent runs whose artifact root is `url`."""
+def _runs_of(env: dict[str, str], url: str, deployment: str = "extract-part") -> list:
+    """The flow runs of `deployment` (the parts' by default) whose artifact root is `url`."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["extract-part"])))
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])))
     return [r for r in runs if r.parameters["config"]["artifact_root"] == url]
 
 
@@ -240,6 +243,45 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, one_machine_st
     victim.start()  # the machine comes back for the next test
 
 
+def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_cached(cluster, tmp_path):
+    """`eagle3 sweep --on-workers`: the parent extracts once; each grid point's chain is a train-eagle3 flow run on
+    the gpu pool, one per machine, at the same time; the report has both points; the same command again is all
+    Cached and starts no run."""
+    import json
+
+    env, _, workers = cluster
+    url = f"s3://{BUCKET}/sweep"
+    # 150 steps: a chain of some 15 s of work, longer than a worker's poll (2 s here), so that the two overlap
+    settings = TINY + [f"artifact_root={url}", "train.steps=150", "train.checkpoint_every=75"]
+    args = ["sweep", "--preset", "tiny", *[a for s in settings for a in ("--set", s)],
+            "--grid", "train.learning_rate=1e-3,3e-3", "--on-workers", "--run-dir", "sweep"]
+    done = _eagle3(args, tmp_path, env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = _runs_of(env, url, "train-eagle3")
+    assert len(runs) == 2 and all(r.state.is_completed() for r in runs)
+    first, second = sorted(runs, key=lambda r: r.start_time)
+    assert second.start_time < first.end_time, f"the points did not train at the same time: {[(r.start_time, r.end_time) for r in runs]}"
+    ran_on = {name: sorted(p.name for p in (w.folder / "sweep").glob("point-*")) for name, w in workers.items()}
+    assert sorted(sum(ran_on.values(), [])) == ["point-1", "point-2"] and all(ran_on.values()), ran_on  # one per machine
+    for worker in workers.values():  # each point came back Cached from the bucket up to vocab: no target loaded there
+        for point in (worker.folder / "sweep").glob("point-*"):
+            rows = {r["name"]: r["state"] for r in json.loads((point / "summary.json").read_text())["stages"]}
+            assert rows["extract"] == "Cached" and rows["train"] == "Completed", rows
+            assert json.loads((point / "summary.json").read_text())["target_loads"] == []
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert len(summary["points"]) == 2 and all(p["simulated"] is not None for p in summary["points"]), summary["points"]
+    assert len(summary["target_loads"]) == 1  # the one extraction, in the parent
+    assert summary["best_export_dir"] and Path(tmp_path / summary["best_export_dir"], "config.json").is_file()
+    report = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "0.001" in report and "0.003" in report, report
+    assert "point[1]" in done.stdout and "point[2]" in done.stdout
+    again = _eagle3(args, tmp_path, env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = json.loads((tmp_path / "sweep" / "summary.json").read_text())["stages"]
+    assert {r["state"] for r in rows if r["name"] != "gpu_cleanup"} == {"Cached"}, rows
+    assert len(_runs_of(env, url, "train-eagle3")) == 2
+
+
 def test_bad_settings_fail_before_any_work(cluster, tmp_path):
     env, _, _ = cluster
     done = _eagle3(["run", "--preset", "tiny", "--set", "artifact_root=s3://no-such-bucket/x", "--run-dir", "run"],
@@ -256,3 +298,10 @@ def test_bad_settings_fail_before_any_work(cluster, tmp_path):
                     "--run-dir", "run"], tmp_path, no_server)
     assert done.returncode == 2 and "PREFECT_API_URL" in done.stderr, done.stderr
     assert not (tmp_path / "run" / "artifacts").exists()
+    # a sweep on workers: the same two refusals
+    sweep = ["sweep", "--preset", "tiny", "--grid", "train.learning_rate=1e-3,3e-3", "--on-workers", "--run-dir", "sw"]
+    done = _eagle3(sweep, tmp_path, env)
+    assert done.returncode == 2 and "--on-workers" in done.stderr and "artifact_root is not set" in done.stderr, done.stderr
+    done = _eagle3([*sweep, "--set", f"artifact_root=s3://{BUCKET}/x"], tmp_path, no_server)
+    assert done.returncode == 2 and "PREFECT_API_URL" in done.stderr, done.stderr
+    assert not (tmp_path / "sw").exists()

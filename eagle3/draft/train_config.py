@@ -1,0 +1,124 @@
+"""Settings of the train stage (TrainConfig), the errors it refuses with, and its learning-rate schedule.
+
+Kept apart from the trainer (eagle3.draft.train) so that the configuration, the UI form and the
+checks before any work read the settings without the training code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from eagle3.draft import ddp
+
+# Settings that may change between an interrupted run and its resume.
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
+                      "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
+# Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
+RUNTIME_ONLY = {"compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or resume; the message names the setting or file."""
+
+
+class TrainConfig(BaseModel):
+    """Settings of the train stage."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(default=2000, gt=0, description="Optimizer steps to train for in total (resumes count).")
+    learning_rate: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate, reached after warm-up.")
+    warmup_steps: int = Field(default=50, ge=0, description="Steps of linear warm-up from 0 to learning_rate.")
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Cosine decay ends at learning_rate * min_lr_ratio at the last step."
+    )
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay on matrices (never on norms).")
+    batch_tokens: int = Field(
+        default=2048, gt=0, description="Tokens per micro-batch: whole samples are packed up to this many "
+        "(a longer sample is cut to this length)."
+    )
+    grad_accum: int = Field(default=1, ge=1, description="Micro-batches whose gradients add up to one step.")
+    ttt_steps: int = Field(default=3, ge=1, description="TTT unroll depth: draft tokens trained per position.")
+    checkpoint_every: int = Field(
+        default=200, ge=1, description="Write a checkpoint every this many steps (and at the end)."
+    )
+    seed: int = Field(default=0, description="Seeds the draft's initial weights and the data order.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Compute dtype: 'auto' is bfloat16 autocast on CUDA, float32 on the CPU."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradients are clipped to this global norm.")
+    num_draft_tokens_eval: int = Field(
+        default=3, ge=1, description="Draft tokens per draft when checkpoints are evaluated for acceptance."
+    )
+    deterministic: bool | None = Field(
+        default=None, description="torch deterministic algorithms; None: on for the CPU (bitwise resume), off on "
+        "CUDA (deterministic attention backward is slower)."
+    )
+    loader_threads: int = Field(
+        default=2, ge=1, description="Threads that read and pack upcoming micro-batches while the device computes."
+    )
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Dtype of the draft's weights in the forward and backward pass. bfloat16 keeps "
+        "an fp32 master copy that the optimizer updates and checkpoints hold (mixed precision without casts; "
+        "faster on GPUs). 'auto': bfloat16 when the compute dtype is bfloat16, else float32. Not part of the "
+        "stage's fingerprint."
+    )
+    compile: bool | None = Field(
+        default=None, description="torch.compile the draft's TTT step and the loss kernels (about a minute of "
+        "compiling, then faster: 55,300 against 45,400 tokens/s on an H200, benchmarks/train_throughput.py; results "
+        "equal eager up to rounding). None: on for CUDA, off on the CPU. Not part of the stage's fingerprint."
+    )
+
+    num_processes: int | Literal["auto"] = Field(
+        default="auto", description="Processes that train data-parallel, one per GPU, launched with torchrun "
+        "(eagle3.draft.launch). 'auto': every visible GPU, 1 on the CPU. Must divide train.grad_accum (each process "
+        "takes every n-th micro-batch of a step, so the result does not depend on it). A run may resume with another "
+        "number. Not part of the stage's fingerprint."
+    )
+    nnodes: int = Field(
+        default=1, ge=1, description="Machines that train together, each running train.num_processes ranks (torchrun "
+        "with a c10d rendezvous). Node 0 is the machine that runs the train stage; each other machine joins with "
+        "`eagle3 train-node --spec SPEC --node-rank R`, the command the stage prints, and must see the artifacts "
+        "folder at the same path (a shared folder). train.nnodes x train.num_processes must divide train.grad_accum. "
+        "A run may resume with another number. Not part of the stage's fingerprint."
+    )
+    rdzv_endpoint: str | None = Field(
+        default=None, description="'host:port' of the c10d rendezvous when train.nnodes > 1 (required then): an "
+        "address of node 0 (the machine that runs the train stage, which hosts the rendezvous) that the other "
+        "machines reach, and a free TCP port there, e.g. 'node0.cluster:29400'. Not part of the stage's fingerprint."
+    )
+    rdzv_join_timeout: int = Field(
+        default=600, ge=1, description="Seconds node 0 waits for the other train.nnodes - 1 machines to join the "
+        "rendezvous before the stage fails. Not part of the stage's fingerprint."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
+        if isinstance(self.num_processes, int) and self.num_processes < 1:
+            raise ValueError(f"train.num_processes is {self.num_processes}; expected a number >= 1 or 'auto'")
+        if self.nnodes > 1 or self.rdzv_endpoint is not None:
+            ddp.check_rdzv_endpoint(self.rdzv_endpoint, self.nnodes)
+        if isinstance(self.num_processes, int) and self.grad_accum % (self.nnodes * self.num_processes):
+            ranks = self.nnodes * self.num_processes
+            raise ValueError(f"train.grad_accum ({self.grad_accum}) does not split over train.num_processes "
+                             f"({self.num_processes}) x train.nnodes ({self.nnodes}) = {ranks} ranks; set "
+                             f"train.grad_accum to a multiple of {ranks}")
+        if self.num_processes == "auto" and self.grad_accum % self.nnodes:
+            raise ValueError(f"train.grad_accum ({self.grad_accum}) does not split over train.nnodes ({self.nnodes}) "
+                             "machines of train.num_processes='auto' ranks each; set train.grad_accum to a multiple of "
+                             "train.nnodes x the ranks per machine")
+        return self
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine decay."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
