@@ -29,10 +29,12 @@ POINT_VERSION = "1"
 # a backstop only: a point whose worker dies is set Crashed by the server's zombie automation within minutes
 POINT_TIMEOUT_S = 7 * 86400.0
 
+
 def point_fingerprint(chain_fps: dict[str, str]) -> str:
     """A point is its chain: the fingerprint of its evaluate artifact (which names the export, the training and
     everything upstream)."""
     return fingerprint("point", POINT_VERSION, {}, chain_fps["evaluate"])
+
 
 @task(name="point", retries=PART_RETRIES, retry_delay_seconds=2)
 def run_point(index: int, parameters: dict, chain_fps: dict[str, str], timeout_s: float, artifact_url: str | None,
