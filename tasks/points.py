@@ -17,7 +17,6 @@ from pathlib import Path
 from prefect import task
 
 from eagle3.artifacts import StageRecord, building, mark_complete, read_complete
-
 from eagle3.fingerprint import fingerprint
 from eagle3.stages import out_dir
 from eagle3.storage import open_root
