@@ -124,9 +124,9 @@ def _meta_model(target_dir: Path, text: dict) -> tuple[nn.Module | None, str]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=False).get_text_config()
+            config = AutoConfig.from_pretrained(str(target_dir)).get_text_config()
             with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(config, trust_remote_code=False), ""
+                return AutoModelForCausalLM.from_config(config), ""
     except Exception as err:  # noqa: BLE001 - any reason transformers cannot build it; the fallback says which
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         return None, f"transformers {transformers.__version__} cannot build model_type {model_type!r}: {first[:200]}"

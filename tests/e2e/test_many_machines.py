@@ -163,19 +163,20 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
     env, root, workers = cluster
     url = f"s3://{BUCKET}/together"
     args = _args(url)
-    # Ctrl-C once the parent has started both part runs and none has finished (SIGINT to the terminal's process
-    # group), then the same command again: it waits for the two part runs the first one started instead of
-    # starting more. (Waiting for both to be Running at one poll raced on a busy 2-core CI machine: a tiny part
-    # can finish before the other worker's poll, and the parent then ran to the end before any Ctrl-C.)
+    # Ctrl-C once the parent has started both part runs and a worker runs one (SIGINT to the terminal's process
+    # group): the parent is then waiting for its parts. Then the same command again: it waits for the two part
+    # runs the first one started instead of starting more. (Waiting for both to be Running at one poll raced on
+    # a busy 2-core CI machine: a tiny part can finish before the other worker's poll, and the parent then ran
+    # to the end before any Ctrl-C.)
     (tmp_path / "parent").mkdir()
     first_try = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path / "parent",
                                  env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, start_new_session=True)
     deadline = time.time() + 300
-    while len(_runs_of(env, url)) < 2:
+    while len(runs := _runs_of(env, url)) < 2 or not any(r.state.is_running() for r in runs):
         assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
         time.sleep(0.2)
-    assert not any(r.state.is_final() for r in _runs_of(env, url))  # the Ctrl-C lands while the parts are under way
+    assert not all(r.state.is_final() for r in runs)  # the Ctrl-C lands while the parts are under way
     os.killpg(first_try.pid, signal.SIGINT)
     assert first_try.wait(timeout=120) == 130, first_try.communicate()[1][-3000:]
     done = _eagle3(args, tmp_path / "parent", env)
