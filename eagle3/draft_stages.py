@@ -125,6 +125,14 @@ def fingerprint_evaluate(config: EvalConfig, exported: StageRecord | str, extrac
                              extracted.fingerprint)
 
 
+def chain_fingerprints(train: TrainConfig, evaluate: EvalConfig, target: StageRecord, extracted: StageRecord,
+                       vocab: StageRecord) -> dict[str, str]:
+    """The fingerprints of one train -> export -> evaluate chain, named before any of it runs."""
+    train_fp = fingerprint_train(train, extracted, vocab, target)
+    export_fp = fingerprint_export(train_fp)
+    return {"train": train_fp, "export": export_fp, "evaluate": fingerprint_evaluate(evaluate, export_fp, extracted)}
+
+
 def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord,
                  root: Path, fp: str, progress: Progress | None = None) -> StageRecord:
     """(a) simulated acceptance on the held-out states; (b) with `config.served`, vLLM serving the

@@ -97,18 +97,8 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis], on_workers: bool 
         target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome,
                                                     also_check=[p.config for p in points])
         vocabs = _vocabs(run, points, prepared, target)
-        if on_workers:
-            _points_on_workers(run, config, points, vocabs, target, extracted, results, failures)
-        for point, vocab in zip(points, vocabs) if not on_workers else ():
-            console.say(f"point {point.index}/{len(points)}: {point.label()}")
-            chain, first_row = Chain(), len(run.rows)
-            try:
-                draft_chain(run, point.config, target, extracted, vocab, chain, tag=f"[{point.index}]")
-            except StageFailed as err:
-                failures.append(err)
-                results[point.index] = _result(point, chain, "Failed")
-                continue
-            results[point.index] = _result(point, chain, _chain_state(run.rows[first_row:]))
+        run_points = _points_on_workers if on_workers else _points_in_turn
+        run_points(run, config, points, vocabs, target, extracted, results, failures)
         if failures:
             raise failures[0]
     finally:
@@ -117,16 +107,29 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis], on_workers: bool 
     return summary
 
 
+def _points_in_turn(run: StageRunner, config: PipelineConfig, points: list[SweepPoint], vocabs: list[StageRecord],
+                    target: StageRecord, extracted: StageRecord, results: dict[int, PointResult],
+                    failures: list[StageFailed]) -> None:
+    """Every point's chain in this flow run, one after another; `results` and `failures` filled in."""
+    for point, vocab in zip(points, vocabs):
+        console.say(f"point {point.index}/{len(points)}: {point.label()}")
+        chain, first_row = Chain(), len(run.rows)
+        try:
+            draft_chain(run, point.config, target, extracted, vocab, chain, tag=f"[{point.index}]")
+        except StageFailed as err:
+            failures.append(err)
+            results[point.index] = _result(point, chain, "Failed")
+            continue
+        results[point.index] = _result(point, chain, _chain_state(run.rows[first_row:]))
+
+
 def _points_on_workers(run: StageRunner, config: PipelineConfig, points: list[SweepPoint], vocabs: list[StageRecord],
                        target: StageRecord, extracted: StageRecord, results: dict[int, PointResult],
                        failures: list[StageFailed]) -> None:
     """Every point's chain as a flow run on the gpu pool, side by side; `results` and `failures` filled in."""
     calls, fps = [], []
     for point, vocab in zip(points, vocabs):
-        train_fp = draft_stages.fingerprint_train(point.config.train, extracted, vocab, target)
-        export_fp = draft_stages.fingerprint_export(train_fp)
-        chain_fps = {"train": train_fp, "export": export_fp,
-                     "evaluate": draft_stages.fingerprint_evaluate(point.config.eval, export_fp, extracted)}
+        chain_fps = draft_stages.chain_fingerprints(point.config.train, point.config.eval, target, extracted, vocab)
         point_config = point.config.model_copy(update={"run_dir": f"{config.run_dir}/point-{point.index}"})
         fp = point_tasks.point_fingerprint(chain_fps)
         fps.append(chain_fps)

@@ -122,15 +122,14 @@ def draft_chain(run: StageRunner, config: PipelineConfig, target: StageRecord, e
                 vocab: StageRecord, chain: Chain, tag: str = "") -> Chain:
     """train -> export -> evaluate, holding the `gpu` slot; `chain` is filled as each stage finishes
     (so a failure still leaves what was done). `tag` is appended to the printed stage names."""
+    fps = draft_stages.chain_fingerprints(config.train, config.eval, target, extracted, vocab)
     with gpu_slot(Path(config.run_dir), "draft"):
-        chain.trained = run.stage("train", draft_tasks.train, draft_stages.fingerprint_train(config.train, extracted, vocab, target),
-                                  label=f"train{tag}", config=config.train, target=target, extracted=extracted, vocab=vocab)
-        chain.exported = run.stage("export", draft_tasks.export, draft_stages.fingerprint_export(chain.trained),
-                                   label=f"export{tag}", target=target, trained=chain.trained, vocab=vocab)
-        chain.evaluated = run.stage("evaluate", draft_tasks.evaluate,
-                                    draft_stages.fingerprint_evaluate(config.eval, chain.exported, extracted),
-                                    label=f"evaluate{tag}", config=config.eval, target=target, exported=chain.exported,
-                                    extracted=extracted)
+        chain.trained = run.stage("train", draft_tasks.train, fps["train"], label=f"train{tag}", config=config.train,
+                                  target=target, extracted=extracted, vocab=vocab)
+        chain.exported = run.stage("export", draft_tasks.export, fps["export"], label=f"export{tag}", target=target,
+                                   trained=chain.trained, vocab=vocab)
+        chain.evaluated = run.stage("evaluate", draft_tasks.evaluate, fps["evaluate"], label=f"evaluate{tag}",
+                                    config=config.eval, target=target, exported=chain.exported, extracted=extracted)
         vllm_adapter.release_all()
     return chain
 
