@@ -23,6 +23,7 @@ stages, cached under --root), for each number of training samples N:
     python benchmarks/quality.py --samples 250 500 1000 --epochs 3   # benchmarks/results/quality-2026-11-29.txt
     python benchmarks/quality.py --tiny --samples 40 80 --epochs 2   # smoke check (minutes)
     python benchmarks/quality.py --samples 500 --epochs 9 --ttt-steps 5   # a recipe of ours (speculators: ttt 3, lr 1e-3)
+    python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators   # train.optimizer=muon
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
 
     shutil.rmtree(root / "ours", ignore_errors=True)
     config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
-                              checkpoint_every=max(1, steps // 8), seed=0, ttt_steps=args.ttt_steps)
+                              checkpoint_every=max(1, steps // 8), seed=0, ttt_steps=args.ttt_steps,
+                              optimizer=args.optimizer)
     paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
     ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
     cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
@@ -253,7 +255,8 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     export = export_draft(root / "ours" / "checkpoints" / best["checkpoint"], root / "ours-export", target_dir=model_dir,
                           aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
     scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
-    rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr, "tokens": tokens_seen,
+    rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
+                 "optimizer": args.optimizer, "tokens": tokens_seen,
                  "cpu_s": ours_cpu, "wall_s": ours_wall,
                  "scoring_cpu_s": sum(scoring.values()),
                  "best_step": best["step"], "steps": steps,
@@ -313,6 +316,8 @@ def main() -> None:
     parser.add_argument("--no-speculators", action="store_true", help="only our trainer")
     parser.add_argument("--ttt-steps", type=int, default=3, help="our trainer's TTT depth (speculators' stays 3)")
     parser.add_argument("--lr", type=float, default=LR, help="our trainer's peak learning rate (speculators' stays 1e-3)")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                        help="our trainer's optimizer (train.optimizer; speculators' is Muon with AdamW)")
     args = parser.parse_args()
     heldout_extra = 1.0 / 0.9
     config, target, prepared, extracted = prepare(Path(args.root), int(max(args.samples) * heldout_extra) + 8, args.tiny)

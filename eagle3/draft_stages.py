@@ -22,7 +22,7 @@ from eagle3.draft.launch import resolve_num_processes, train_distributed
 from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
 from eagle3.draft.served_eval import ServedReport, heldout_prompts, served_acceptance
 from eagle3.draft.target_head import load_target_head, read_target_config
-from eagle3.draft.train import EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
+from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 from eagle3.stages import _done, stage_fingerprint
 
@@ -55,6 +55,9 @@ def run_vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, r
 # -- train -------------------------------------------------------------------------------
 def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageRecord, target: StageRecord) -> str:
     settings = config.model_dump(exclude=RUNTIME_ONLY)
+    for name, default in ADDED_WITH_DEFAULT.items():  # a setting added later, at its default: the old fingerprint
+        if settings[name] == default:
+            del settings[name]
     return stage_fingerprint("train", settings, extracted.fingerprint, vocab.fingerprint, target.fingerprint)
 
 

@@ -1,7 +1,7 @@
 """Training the EAGLE-3 draft on stored hidden states, with TTT, checkpoints and resume.
 
 Loss: eagle3.draft.loss (KL(target || draft) over the draft vocabulary, per TTT step, mean over
-steps). AdamW, linear warm-up, cosine decay.
+steps). AdamW, or Muon with AdamW (eagle3.draft.optim); linear warm-up, cosine decay.
 
 Data: eagle3.draft.batches packs whole samples into micro-batches of at most `batch_tokens` tokens
 in a seeded per-epoch order. The data position (epoch, cursor) is part of every checkpoint,
@@ -42,9 +42,10 @@ from eagle3.draft.evaluate import simulate_acceptance
 from eagle3.draft.export import ExportError, load_exported_draft
 from eagle3.draft.loss import EAGER, LossKernels, batch_loss, compiled_kernels
 from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
+from eagle3.draft.optim import MuonWithAdamW, build_optimizer
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 # the settings live in eagle3.draft.train_config; imported from here too
-from eagle3.draft.train_config import RUNTIME_ONLY, TrainConfig, TrainError, _RESUMABLE_CHANGES, lr_at  # noqa: F401
+from eagle3.draft.train_config import ADDED_WITH_DEFAULT, RUNTIME_ONLY, TrainConfig, TrainError, _RESUMABLE_CHANGES, lr_at  # noqa: F401
 from eagle3.draft.vocab import VocabMapping, load_mapping
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class _Run:
     locations: list[tuple[str, int]]  # sample i of the store: (shard path, position in the shard)
     lengths: list[int]  # tokens of sample i
     model: Eagle3Draft
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | MuonWithAdamW
     head: TargetHead  # its lm_head holds only the draft vocabulary's rows
     mapping: VocabMapping
     device: torch.device
@@ -130,12 +131,8 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
         torch.bfloat16 if bf16 else torch.float32, device)
     updated = list(model.parameters()) if master is None else master
     names = [n for n, _ in model.named_parameters()]
-    decay = [p for n, p in zip(names, updated, strict=True) if not n.endswith("norm.weight")]
-    no_decay = [p for n, p in zip(names, updated, strict=True) if n.endswith("norm.weight")]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda",
-    )
+    optimizer = build_optimizer(config.optimizer, names, updated, config.learning_rate, config.weight_decay,
+                                fused=device.type == "cuda")
     meta = {"train_config": config.model_dump(), "draft_config": draft_config.model_dump(),
             "aux_layer_ids": reader.aux_layer_ids, "num_samples": len(reader),
             "init_from": None if init_from is None else str(init_from)}
@@ -263,6 +260,7 @@ def _check_compatible(found: Checkpoint, run: _Run) -> None:
                 "trained on other data or another draft shape; use a fresh out_dir"
             )
     old, new = found.meta.get("train_config", {}), run.meta["train_config"]
+    old = {**ADDED_WITH_DEFAULT, **old}  # a checkpoint from before a setting existed trained at its default
     changed = sorted(k for k in new if old.get(k) != new[k] and k not in _RESUMABLE_CHANGES)
     if changed:
         raise TrainError(

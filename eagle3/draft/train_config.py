@@ -17,6 +17,9 @@ from eagle3.draft import ddp
 _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
                       "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 # Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
+# Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
+# so an upgrade does not retrain drafts whose settings did not change.
+ADDED_WITH_DEFAULT = {"optimizer": "adamw"}
 RUNTIME_ONLY = {"compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 
 
@@ -30,12 +33,17 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     steps: int = Field(default=2000, gt=0, description="Optimizer steps to train for in total (resumes count).")
-    learning_rate: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate, reached after warm-up.")
+    learning_rate: float = Field(default=1e-4, gt=0, description="Peak learning rate, reached after warm-up (with "
+                                 "'muon', Muon's is matched to AdamW's update size, so the same value serves both).")
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw", description="'adamw', or 'muon': torch's Muon on the draft's hidden matrices (weight decay "
+        "0.1) and AdamW on lm_head and the norms, as speculators trains (eagle3.draft.optim)."
+    )
     warmup_steps: int = Field(default=50, ge=0, description="Steps of linear warm-up from 0 to learning_rate.")
     min_lr_ratio: float = Field(
         default=0.1, ge=0, le=1, description="Cosine decay ends at learning_rate * min_lr_ratio at the last step."
     )
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay on matrices (never on norms).")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay on matrices (never on norms; with 'muon', on lm_head).")
     batch_tokens: int = Field(
         default=2048, gt=0, description="Tokens per micro-batch: whole samples are packed up to this many "
         "(a longer sample is cut to this length)."

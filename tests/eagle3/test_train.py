@@ -278,3 +278,67 @@ def test_compiling_does_not_change_the_train_fingerprint():
     base = fingerprint_train(TrainConfig(steps=10, warmup_steps=1), *ups)
     assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, compile=True), *ups) == base
     assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, learning_rate=1e-3), *ups) != base
+
+
+def test_muon_trains_the_hidden_matrices_and_resumes_as_if_never_stopped(tmp_path):
+    """train.optimizer='muon': the loss falls, the run is not AdamW's, and a stopped run resumes to the same weights."""
+    adamw = _train(tmp_path / "adamw")
+    straight = _train(tmp_path / "straight", optimizer="muon")
+    assert sum(straight.losses[-3:]) < 0.8 * sum(straight.losses[:3]), straight.losses
+    assert straight.losses != pytest.approx(adamw.losses, abs=1e-4)
+    _train(tmp_path / "resumed", stop_after=6, optimizer="muon")
+    resumed = _train(tmp_path / "resumed", optimizer="muon")
+    assert resumed.resumed_from_step == 4
+    assert resumed.losses == pytest.approx(straight.losses, abs=1e-6)
+    for name, tensor in _final_weights(straight).items():
+        torch.testing.assert_close(_final_weights(resumed)[name], tensor, rtol=0, atol=1e-6)
+    with pytest.raises(TrainError, match="train.optimizer"):  # its optimizer state is not AdamW's
+        _train(tmp_path / "resumed", steps=16, optimizer="adamw")
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_head_and_norms():
+    from eagle3.draft.model import Eagle3Draft
+    from eagle3.draft.optim import build_optimizer
+
+    world = tiny_world()
+    config = json.loads((world.target_dir / "config.json").read_text())
+    model = Eagle3Draft(_draft_config(world))
+    names, params = zip(*model.named_parameters(), strict=True)
+    optimizer = build_optimizer("muon", names, params, 1e-3, 0.0, fused=False)
+    on_muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    assert {n for n, p in zip(names, params, strict=True) if id(p) in on_muon} == {
+        n for n, p in zip(names, params, strict=True) if p.ndim == 2 and "lm_head" not in n}
+    assert any("fc" in n for n in names) and config["hidden_size"] > 1
+    assert optimizer.muon.param_groups[0]["weight_decay"] == 0.1
+    decays = {id(p): g["weight_decay"] for g in optimizer.adamw.param_groups for p in g["params"]}
+    assert all(decays[id(p)] == 0.0 for n, p in zip(names, params, strict=True) if n.endswith("norm.weight"))
+    with pytest.raises(ValueError, match="train.optimizer='sgd'"):
+        build_optimizer("sgd", names, params, 1e-3, 0.0, fused=False)
+
+
+def _draft_config(world):
+    from eagle3.draft.model import DraftConfig
+    from eagle3.draft.target_head import read_target_config
+    from eagle3.draft.vocab import load_mapping
+
+    mapping = load_mapping(world.vocab_path)
+    return DraftConfig.from_target(read_target_config(world.target_dir), num_aux_hidden_states=3,
+                                   draft_vocab_size=mapping.draft_vocab_size)
+
+
+def test_the_optimizer_setting_at_its_default_keeps_the_fingerprints_of_drafts_trained_before_it(tmp_path):
+    """Upgrading adds train.optimizer; drafts cached before it (AdamW) stay Cached and their checkpoints resume."""
+    from eagle3.artifacts import StageRecord
+    from eagle3.draft_stages import fingerprint_train
+
+    ups = [StageRecord(stage=n, uri="/x", fingerprint=n) for n in ("extract", "vocab", "stage_target")]
+    config = TrainConfig(steps=10, warmup_steps=1)
+    assert fingerprint_train(config, *ups) == "c26cabe8f67fc68358c7"  # printed by b061aec, before train.optimizer
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, optimizer="muon"), *ups) != fingerprint_train(config, *ups)
+
+    _train(tmp_path / "run", stop_after=6)
+    meta_path = tmp_path / "run" / "checkpoints" / "step-000004" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["train_config"]["optimizer"]  # as written before the setting existed
+    meta_path.write_text(json.dumps(meta))
+    assert _train(tmp_path / "run").resumed_from_step == 4
