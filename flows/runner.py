@@ -30,6 +30,7 @@ from eagle3.storage import RemoteRoot, open_root
 from tasks import console
 from tasks.cache import cached
 from tasks.output import child_output_to_logs
+from tasks.parts import STOP_WAITING
 
 
 # Stages whose artifact names this machine's own files (stage_target records the local model folder):
@@ -152,17 +153,25 @@ class StageRunner:
         started = time.time()
         results = self.remote.results_url if self.remote is not None else None
         futures = []
-        for fp, label, kwargs in calls:
-            if self.remote is not None:
-                self.remote.pull(name, fp)
-            futures.append((label, fp, cached(task, self.root, name, fp, results=results).submit(**kwargs, root=self.root, fp=fp)))
         outcomes: list[StageRecord | StageFailed] = []
-        for label, fp, future in futures:
-            future.wait()
-            try:
-                outcomes.append(self._finish(label, future.state, started, self.root / name / fp))  # type: ignore[arg-type]
-            except StageFailed as err:
-                outcomes.append(err)
+        try:
+            for fp, label, kwargs in calls:
+                if self.remote is not None:
+                    self.remote.pull(name, fp)
+                futures.append((label, fp, cached(task, self.root, name, fp, results=results).submit(
+                    **kwargs, root=self.root, fp=fp)))
+            for label, fp, future in futures:
+                future.wait()
+                try:
+                    outcomes.append(self._finish(label, future.state, started, self.root / name / fp))  # type: ignore[arg-type]
+                except StageFailed as err:
+                    outcomes.append(err)
+        except KeyboardInterrupt:
+            # Ctrl-C: the threads that wait for flow runs on workers (parts, points) stop waiting, so that Prefect's
+            # task runner, which joins its threads as the flow ends, lets this process exit now and not when
+            # those runs end; the runs go on, and the same command again waits for them.
+            STOP_WAITING.set()
+            raise
         return outcomes
 
     def _remote_stage(self, name: str, task: Task, fp: str, **kwargs: object) -> State:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -60,6 +62,18 @@ def check_part_deployment(deployment: str, what: str = "extract.parts > 1 runs e
                                  "(`prefect worker start --pool %s` on each GPU machine)", pool, pool)
 
 
+# Set when the run waiting for these flow runs is stopped (Ctrl-C, see flows.runner.StageRunner.concurrent_outcomes):
+# the threads that wait stop at their next poll, so the parent exits at once instead of when its parts end. The
+# flow runs themselves go on on their workers, and the same command again waits for them (the idempotency keys).
+STOP_WAITING = threading.Event()
+POLL_S = 2.0
+
+
+class StoppedWaiting(KeyboardInterrupt):
+    """The parent was interrupted: this thread stopped waiting for its flow run (a crash of the task, not a failure
+    that Prefect's task retries would start again)."""
+
+
 def run_and_wait(deployment: str, parameters: dict, timeout_s: float, what: str, key_prefix: str):  # noqa: ANN201 - a FlowRun
     """Start `deployment`'s flow run with `parameters` and wait for it; raise PartFailed unless it completed.
 
@@ -69,16 +83,17 @@ def run_and_wait(deployment: str, parameters: dict, timeout_s: float, what: str,
     bucket is another run), and this task's attempt."""
     from prefect.deployments import run_deployment
 
+    if STOP_WAITING.is_set():
+        raise StoppedWaiting(f"{what}: not started, the run that asked for it was interrupted")
     asked = hashlib.sha256(json.dumps({"deployment": deployment, "parameters": parameters}, sort_keys=True,
                                       default=_jsonable).encode()).hexdigest()[:16]
     key = f"{key_prefix}-{asked}-attempt-{task_run.run_count}"
     flow_run = run_deployment(name=deployment, parameters=parameters, timeout=0, idempotency_key=key)
-    fresh = False
     if flow_run.state is not None and flow_run.state.is_final() and not flow_run.state.is_completed():
-        key, fresh = f"{key}-{uuid.uuid4().hex[:8]}", True  # that attempt ended badly under an earlier parent
-    # the same key again: the run above, waited for (or, fresh, a new one, shown under this task like the first)
-    flow_run = run_deployment(name=deployment, parameters=parameters, timeout=timeout_s, poll_interval=2,
-                              idempotency_key=key, as_subflow=fresh)
+        # that attempt ended badly under an earlier parent: a new run, shown under this task like the first
+        flow_run = run_deployment(name=deployment, parameters=parameters, timeout=0,
+                                  idempotency_key=f"{key}-{uuid.uuid4().hex[:8]}")
+    flow_run = _wait_for(flow_run, timeout_s, what)
     state = flow_run.state
     get_run_logger().info("%s: flow run %s ended %s", what, flow_run.name, state.name if state else "unknown")
     if state is None or not state.is_completed():
@@ -86,6 +101,24 @@ def run_and_wait(deployment: str, parameters: dict, timeout_s: float, what: str,
         raise PartFailed(f"{what}: flow run {flow_run.name!r} of {deployment!r} did not complete ({why}); "
                          "its worker's log says why, it is started again")
     return flow_run
+
+
+def _wait_for(flow_run, timeout_s: float, what: str):  # noqa: ANN001, ANN202 - prefect FlowRun
+    """`flow_run` read again every POLL_S until its state is final or `timeout_s` have passed (what run_deployment's
+    own wait does), stopping with StoppedWaiting as soon as STOP_WAITING is set."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            if flow_run.state is not None and flow_run.state.is_final():
+                return flow_run
+            if STOP_WAITING.wait(max(0.0, min(POLL_S, deadline - time.monotonic()))):
+                raise StoppedWaiting(f"{what}: stopped waiting for flow run {flow_run.name!r}, which goes on on its "
+                                     "worker; the same command again waits for it")
+            if time.monotonic() >= deadline:
+                return flow_run
+            flow_run = client.read_flow_run(flow_run.id)
 
 
 @task(name="split_data")

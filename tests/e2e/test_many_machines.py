@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,14 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
     assert not all(r.state.is_final() for r in runs)  # the Ctrl-C lands while the parts are under way
     os.killpg(first_try.pid, signal.SIGINT)
     assert first_try.wait(timeout=120) == 130, first_try.communicate()[1][-3000:]
+    exited, deadline = datetime.now(timezone.utc), time.time() + 300
+    # ... and the terminal is back at once: the parent does not sit until its parts end (they go on, on the workers)
+    while not all(r.state.is_final() for r in runs):
+        assert time.time() < deadline, [r.state for r in runs]
+        time.sleep(0.5)
+        runs = _runs_of(env, url)
+    assert exited < max(r.end_time for r in runs), f"the parent exited at {exited}, after its parts ended: " \
+        f"{[(r.start_time, r.end_time) for r in runs]}"
     done = _eagle3(args, tmp_path / "parent", env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = _runs_of(env, url)
