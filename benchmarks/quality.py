@@ -238,14 +238,14 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
                           info.vocab_size)
     save_mapping(build_mapping(counts, min(DRAFT_VOCAB, info.vocab_size)), vocab)
     tokens = StoreReader(store).num_tokens
-    steps = max(4, round(args.epochs * tokens / BATCH_TOKENS))
+    steps = max(4, round(args.epochs * tokens / (BATCH_TOKENS * args.grad_accum)))
     heldout = extracted.path / "heldout"
     rows = []
 
     shutil.rmtree(root / "ours", ignore_errors=True)
     config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
                               checkpoint_every=max(1, steps // 8), seed=0, ttt_steps=args.ttt_steps,
-                              optimizer=args.optimizer)
+                              optimizer=args.optimizer, grad_accum=args.grad_accum)
     paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
     ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
     cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
@@ -256,7 +256,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
                           aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
     scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
     rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
-                 "optimizer": args.optimizer, "tokens": tokens_seen,
+                 "optimizer": args.optimizer, "grad_accum": args.grad_accum, "tokens": tokens_seen,
                  "cpu_s": ours_cpu, "wall_s": ours_wall,
                  "scoring_cpu_s": sum(scoring.values()),
                  "best_step": best["step"], "steps": steps,
@@ -318,6 +318,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=LR, help="our trainer's peak learning rate (speculators' stays 1e-3)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                         help="our trainer's optimizer (train.optimizer; speculators' is Muon with AdamW)")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="our trainer's micro-batches per step (train.grad_accum): the same epochs in fewer steps")
     args = parser.parse_args()
     heldout_extra = 1.0 / 0.9
     config, target, prepared, extracted = prepare(Path(args.root), int(max(args.samples) * heldout_extra) + 8, args.tiny)
