@@ -16,10 +16,10 @@ from eagle3.draft import ddp
 # Settings that may change between an interrupted run and its resume.
 _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
                       "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
-# Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
 # Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
 # so an upgrade does not retrain drafts whose settings did not change.
 ADDED_WITH_DEFAULT = {"optimizer": "adamw"}
+# Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
 RUNTIME_ONLY = {"compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 
 
@@ -43,7 +43,9 @@ class TrainConfig(BaseModel):
     min_lr_ratio: float = Field(
         default=0.1, ge=0, le=1, description="Cosine decay ends at learning_rate * min_lr_ratio at the last step."
     )
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay on matrices (never on norms; with 'muon', on lm_head).")
+    weight_decay: float = Field(
+        default=0.0, ge=0, description="AdamW weight decay on matrices (never on norms; with 'muon', on lm_head only)."
+    )
     batch_tokens: int = Field(
         default=2048, gt=0, description="Tokens per micro-batch: whole samples are packed up to this many "
         "(a longer sample is cut to this length)."

@@ -256,7 +256,8 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, one_machine_st
 def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_cached(cluster, tmp_path):
     """`eagle3 sweep --on-workers`: the parent extracts once; each grid point's chain is a train-eagle3 flow run on
     the gpu pool, one per machine, at the same time; the report has both points; the same command again is all
-    Cached and starts no run."""
+    Cached and starts no run. Also: Ctrl-C once both point runs exist and a worker runs one gives the terminal back
+    before they end, and the same command again waits for those runs instead of starting more."""
     import json
 
     env, _, workers = cluster
@@ -265,6 +266,22 @@ def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_ca
     settings = TINY + [f"artifact_root={url}", "train.steps=150", "train.checkpoint_every=75"]
     args = ["sweep", "--preset", "tiny", *[a for s in settings for a in ("--set", s)],
             "--grid", "train.learning_rate=1e-3,3e-3", "--on-workers", "--run-dir", "sweep"]
+    first_try = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path,
+                                 env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while len(runs := _runs_of(env, url, "train-eagle3")) < 2 or not any(r.state.is_running() for r in runs):
+        assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(first_try.pid, signal.SIGINT)
+    assert first_try.wait(timeout=120) == 130, first_try.communicate()[1][-3000:]
+    exited = datetime.now(timezone.utc)
+    while not all(r.state.is_final() for r in runs):
+        assert time.time() < deadline, [r.state for r in runs]
+        time.sleep(0.5)
+        runs = _runs_of(env, url, "train-eagle3")
+    assert exited < max(r.end_time for r in runs), f"the sweep exited at {exited}, after its points ended: " \
+        f"{[(r.start_time, r.end_time) for r in runs]}"
     done = _eagle3(args, tmp_path, env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = _runs_of(env, url, "train-eagle3")
