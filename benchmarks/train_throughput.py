@@ -337,14 +337,14 @@ def _attn_dense(model, xs, positions, doc_ids):
 
 def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: Path, s: dict, ttt: int, steps: int,
                  accum: int, threads: int, compile: bool | None = None, param_dtype: str = "auto",
-                 batch_tokens: int | None = None) -> tuple[float, object]:
+                 batch_tokens: int | None = None, optimizer: str = "adamw") -> tuple[float, object]:
     """Tokens/s of eagle3.draft.train.train_draft, from its per-step progress callbacks (first steps excluded:
     allocator warm-up, and torch.compile's compilation when `compile`)."""
     stamps: list[float] = []
     batch_tokens = batch_tokens or s["seq"]
     config = TrainConfig(steps=steps + 1, warmup_steps=1, batch_tokens=batch_tokens, ttt_steps=ttt, grad_accum=accum,
                          checkpoint_every=10**6, loader_threads=threads, learning_rate=1e-5, compile=compile,
-                         param_dtype=param_dtype)
+                         param_dtype=param_dtype, optimizer=optimizer)
     result = train_draft(config, store_dir=store, target_dir=target, head_path=head_file, vocab_path=vocab,
                          out_dir=out, stop_after=steps, progress=lambda *_: stamps.append(time.perf_counter()))
     skip = min(5 if accum == 1 else 2, len(stamps) - 2)
@@ -373,6 +373,20 @@ def packed_rows(args, s: dict, ttt: int, root: Path, target: Path, head_file: Pa
               f"{result.steps_done} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
 
 
+def optimizer_rows(args, s: dict, ttt: int, root: Path, store: Path, target: Path, head_file: Path, vocab: Path,
+                   flops: float) -> None:
+    """The real trainer's defaults (page cache warm) with train.optimizer adamw and muon, at grad_accum 1 and
+    --accum: what Muon's per-step Newton-Schulz iterations cost, and how much more tokens per step amortize."""
+    for optimizer in ("adamw", "muon"):
+        for accum in (1, args.accum):
+            steps = args.steps if accum == 1 else max(4, args.steps // accum)
+            tps, result = time_trainer(store, target, head_file, vocab, root / f"opt-{optimizer}-{accum}", s, ttt, steps,
+                                       accum, args.loader_threads, optimizer=optimizer)
+            print(f"real trainer, defaults, optimizer {optimizer}, grad_accum {accum} (page cache warm): {tps:,.0f} "
+                  f"tokens/s, MFU@790 {tps * flops / PEAK_790:.1%}; {result.steps_done} steps, loss "
+                  f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke check)")
@@ -390,6 +404,8 @@ def main() -> None:
     parser.add_argument("--packed-len", type=int, default=0,
                         help="only the real trainer on samples of this many tokens, packed into micro-batches of "
                         "--packed-batch tokens (varlen attention on CUDA), then stop")
+    parser.add_argument("--optimizers", action="store_true",
+                        help="only the real trainer with train.optimizer adamw and muon, at grad_accum 1 and --accum")
     parser.add_argument("--packed-batch", type=int, default=8192, help="train.batch_tokens with --packed-len")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -407,6 +423,9 @@ def main() -> None:
 
     if args.packed_len:
         packed_rows(args, s, ttt, root, target, head_file, vocab, device, flops, rate)
+        return
+    if args.optimizers:
+        optimizer_rows(args, s, ttt, root, store, target, head_file, vocab, flops)
         return
     model, head, batch = _model_and_batch(s, target, head_file, store, device, ttt)
     if args.profile_only:
