@@ -236,7 +236,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     vocab = root / "vocab.safetensors"
     counts = count_tokens(((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples),
                           info.vocab_size)
-    save_mapping(build_mapping(counts, min(DRAFT_VOCAB, info.vocab_size)), vocab)
+    save_mapping(build_mapping(counts, min(args.draft_vocab, info.vocab_size)), vocab)
     tokens = StoreReader(store).num_tokens
     steps = max(4, round(args.epochs * tokens / (BATCH_TOKENS * args.grad_accum)))
     heldout = extracted.path / "heldout"
@@ -256,7 +256,8 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
                           aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
     scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
     rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
-                 "optimizer": args.optimizer, "grad_accum": args.grad_accum, "tokens": tokens_seen,
+                 "optimizer": args.optimizer, "grad_accum": args.grad_accum,
+                 "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
                  "cpu_s": ours_cpu, "wall_s": ours_wall,
                  "scoring_cpu_s": sum(scoring.values()),
                  "best_step": best["step"], "steps": steps,
@@ -320,6 +321,8 @@ def main() -> None:
                         help="our trainer's optimizer (train.optimizer; speculators' is Muon with AdamW)")
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="our trainer's micro-batches per step (train.grad_accum): the same epochs in fewer steps")
+    parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
+                        help="draft vocabulary size (vocab.draft_vocab_size), for both trainers")
     args = parser.parse_args()
     heldout_extra = 1.0 / 0.9
     config, target, prepared, extracted = prepare(Path(args.root), int(max(args.samples) * heldout_extra) + 8, args.tiny)
