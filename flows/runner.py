@@ -154,6 +154,7 @@ class StageRunner:
         results = self.remote.results_url if self.remote is not None else None
         futures = []
         outcomes: list[StageRecord | StageFailed] = []
+        STOP_WAITING.clear()  # an earlier fan-out of this process that was interrupted (in-process callers: tests)
         try:
             for fp, label, kwargs in calls:
                 if self.remote is not None:
