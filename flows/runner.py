@@ -162,6 +162,10 @@ class StageRunner:
                 futures.append((label, fp, cached(task, self.root, name, fp, results=results).submit(
                     **kwargs, root=self.root, fp=fp)))
             for label, fp, future in futures:
+                # Timed waits: the kernel may give the terminal's SIGINT to any thread, and a main thread blocked in an
+                # untimed wait would not run Python's handler (KeyboardInterrupt) until this future ended.
+                while not future.wrapped_future.done():
+                    future.wait(timeout=1.0)
                 future.wait()
                 try:
                     outcomes.append(self._finish(label, future.state, started, self.root / name / fp))  # type: ignore[arg-type]

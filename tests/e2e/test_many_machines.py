@@ -107,6 +107,14 @@ def _eagle3(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 90
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`eagle3 <args>` as a terminal's foreground job: a process group of its own (the Ctrl-C's target), SIGINT at its
+    default (a shell's background job, `make test &` or nohup, would hand it down ignored, and Ctrl-C would do nothing)."""
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env | {"PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
 def _args(url: str) -> list[str]:
     """`eagle3 run` of the tiny preset with artifacts in the bucket at `url` and two parts."""
     return ["run", "--preset", "tiny", *[a for s in TINY + [f"artifact_root={url}", "extract.parts=2"] for a in ("--set", s)],
@@ -170,9 +178,7 @@ def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster
     # a busy 2-core CI machine: a tiny part can finish before the other worker's poll, and the parent then ran
     # to the end before any Ctrl-C.)
     (tmp_path / "parent").mkdir()
-    first_try = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path / "parent",
-                                 env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True)
+    first_try = _start(args, tmp_path / "parent", env)
     deadline = time.time() + 300
     while len(runs := _runs_of(env, url)) < 2 or not any(r.state.is_running() for r in runs):
         assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
@@ -266,9 +272,7 @@ def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_ca
     settings = TINY + [f"artifact_root={url}", "train.steps=150", "train.checkpoint_every=75"]
     args = ["sweep", "--preset", "tiny", *[a for s in settings for a in ("--set", s)],
             "--grid", "train.learning_rate=1e-3,3e-3", "--on-workers", "--run-dir", "sweep"]
-    first_try = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path,
-                                 env=env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True)
+    first_try = _start(args, tmp_path, env)
     deadline = time.time() + 300
     while len(runs := _runs_of(env, url, "train-eagle3")) < 2 or not any(r.state.is_running() for r in runs):
         assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
@@ -297,7 +301,9 @@ def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_ca
             assert json.loads((point / "summary.json").read_text())["target_loads"] == []
     summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
     assert len(summary["points"]) == 2 and all(p["simulated"] is not None for p in summary["points"]), summary["points"]
-    assert len(summary["target_loads"]) == 1  # the one extraction, in the parent
+    # the one extraction, in the parent that Ctrl-C stopped; the one started again found it Cached
+    assert summary["target_loads"] == []
+    assert len((tmp_path / "sweep" / "logs" / "target_loads.jsonl").read_text().splitlines()) == 1
     assert summary["best_export_dir"] and Path(tmp_path / summary["best_export_dir"], "config.json").is_file()
     report = (tmp_path / "sweep" / "sweep.md").read_text()
     assert "0.001" in report and "0.003" in report, report
