@@ -162,8 +162,8 @@ class StageRunner:
                 futures.append((label, fp, cached(task, self.root, name, fp, results=results).submit(
                     **kwargs, root=self.root, fp=fp)))
             for label, fp, future in futures:
-                # Timed waits: the kernel may give the terminal's SIGINT to any thread, and a main thread blocked in an
-                # untimed wait would not run Python's handler (KeyboardInterrupt) until this future ended.
+                # Timed waits: Python runs its SIGINT handler (KeyboardInterrupt) only when the main thread runs Python
+                # code, and an untimed lock wait wakes for a signal only if the kernel gave it this thread.
                 while not future.wrapped_future.done():
                     future.wait(timeout=1.0)
                 future.wait()
