@@ -53,11 +53,7 @@ def build_optimizer(kind: str, names: Sequence[str], params: Sequence[torch.Tens
     """
     norm = [n.endswith("norm.weight") for n in names]
     if kind == "adamw":
-        decay = [p for p, is_norm in zip(params, norm, strict=True) if not is_norm]
-        no_decay = [p for p, is_norm in zip(params, norm, strict=True) if is_norm]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=learning_rate, betas=_BETAS, fused=fused)
+        return _adamw(params, norm, learning_rate, weight_decay, fused)
     if kind != "muon":
         raise ValueError(f"train.optimizer={kind!r}: expected 'adamw' or 'muon'")
     hidden = [p.ndim == 2 and min(p.shape) > 1 and not any(part in n for part in _ADAMW_ONLY)
@@ -65,7 +61,12 @@ def build_optimizer(kind: str, names: Sequence[str], params: Sequence[torch.Tens
     muon = torch.optim.Muon([p for p, h in zip(params, hidden, strict=True) if h], lr=learning_rate,
                             weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
     rest = [(p, is_norm) for p, h, is_norm in zip(params, hidden, norm, strict=True) if not h]
-    adamw = torch.optim.AdamW([{"params": [p for p, is_norm in rest if not is_norm], "weight_decay": weight_decay},
-                               {"params": [p for p, is_norm in rest if is_norm], "weight_decay": 0.0}],
-                              lr=learning_rate, betas=_BETAS, fused=fused)
-    return MuonWithAdamW(muon, adamw)
+    return MuonWithAdamW(muon, _adamw([p for p, _ in rest], [n for _, n in rest], learning_rate, weight_decay, fused))
+
+
+def _adamw(params: Sequence[torch.Tensor], norm: Sequence[bool], learning_rate: float, weight_decay: float,
+           fused: bool) -> torch.optim.AdamW:
+    """AdamW over `params`, decaying all but the norm weights (`norm[i]`) by `weight_decay`."""
+    return torch.optim.AdamW([{"params": [p for p, n in zip(params, norm, strict=True) if not n], "weight_decay": weight_decay},
+                              {"params": [p for p, n in zip(params, norm, strict=True) if n], "weight_decay": 0.0}],
+                             lr=learning_rate, betas=_BETAS, fused=fused)
