@@ -86,6 +86,17 @@ def context_from_env() -> DistContext:
     return ctx
 
 
+def leave() -> None:
+    """Destroy the process group (if joined) before the interpreter exits.
+
+    A process that exits with its gloo group alive can abort after its work is done, while the
+    interpreter finalizes ("terminate called without an active exception", SIGABRT; see
+    pytorch/pytorch#190489): its rank then fails and any output it had not flushed is lost.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _check_training_ranks(ctx: DistContext, node: int) -> None:
     """Every training rank 0..world-1 is taken exactly once (each machine was given its own node rank)."""
     taken = torch.zeros(ctx.world_size + 1, dtype=torch.int64, device=device_for(ctx))  # [world, out of range]

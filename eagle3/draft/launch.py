@@ -316,10 +316,13 @@ def main(spec_path: str) -> int:
     spec = LaunchSpec.read(Path(spec_path))
     if os.environ.get(ddp.NODE_RANK_ENV, "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
         atomic_write_text(spec.out_dir / STARTED, "")  # torchrun starts the ranks once every machine has joined
-    ctx = ddp.context_from_env()
-    result = train_draft(spec.config, out_dir=spec.out_dir, stop_after=spec.stop_after, **spec.paths)
-    if ctx.is_main:
-        _write_result(spec.out_dir, result)
+    try:
+        ctx = ddp.context_from_env()
+        result = train_draft(spec.config, out_dir=spec.out_dir, stop_after=spec.stop_after, **spec.paths)
+        if ctx.is_main:
+            _write_result(spec.out_dir, result)
+    finally:
+        ddp.leave()
     return 0
 
 

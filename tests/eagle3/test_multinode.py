@@ -118,6 +118,8 @@ try:
     print(json.dumps({"rank": ddp.context_from_env().rank}))
 except ddp.DistError as err:
     print(json.dumps({"error": str(err)}))
+finally:
+    ddp.leave()  # as launch.main: without it gloo can abort this process at exit, losing what it printed
 """
 
 
@@ -128,9 +130,13 @@ def _contexts(node_ranks: list[int]) -> list[dict]:
         env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "WORLD_SIZE": str(len(node_ranks)), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                NODE_RANK_ENV: str(node), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", _CONTEXT], env=env, stdout=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-c", _CONTEXT], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     try:
-        return [json.loads(proc.communicate(timeout=60)[0]) for proc in procs]
+        outputs = [(proc.communicate(timeout=60), proc.returncode) for proc in procs]
+        for (_, err), code in outputs:
+            assert code == 0, f"exit {code}: {err}"  # a rank that aborts at exit fails its torchrun
+        return [json.loads(out) for (out, _), _ in outputs]
     finally:
         for proc in procs:
             proc.kill()
