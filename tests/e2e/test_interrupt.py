@@ -14,14 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.conftest import ROOT, start_cli
 
 
 def _start(run_dir: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    # a process group of its own, with SIGINT at its default (a background job of a shell would ignore it)
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--run-dir", str(run_dir)],
-                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return start_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir)], ROOT, env, stdout=open(log, "w"),
+                     stderr=subprocess.STDOUT)
 
 
 def _slot_events(run_dir: Path) -> list[dict]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ROOT, _free_port
+from tests.e2e.conftest import ROOT, _free_port, start_cli
 
 TINY = ["regenerate.enabled=false", "data.max_samples=32", "train.steps=6", "train.warmup_steps=1",
         "train.checkpoint_every=3", "extract.samples_per_shard=4"]
@@ -108,11 +108,7 @@ def _eagle3(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 90
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    """`eagle3 <args>` as a terminal's foreground job: a process group of its own (the Ctrl-C's target), SIGINT at its
-    default (a shell's background job, `make test &` or nohup, would hand it down ignored, and Ctrl-C would do nothing)."""
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env | {"PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return start_cli(args, cwd, env | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _args(url: str) -> list[str]:

@@ -133,10 +133,12 @@ def _contexts(node_ranks: list[int]) -> list[dict]:
         procs.append(subprocess.Popen([sys.executable, "-c", _CONTEXT], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     try:
-        outputs = [(proc.communicate(timeout=60), proc.returncode) for proc in procs]
-        for (_, err), code in outputs:
-            assert code == 0, f"exit {code}: {err}"  # a rank that aborts at exit fails its torchrun
-        return [json.loads(out) for (out, _), _ in outputs]
+        contexts = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, f"exit {proc.returncode}: {err}"  # a rank that aborts at exit fails its torchrun
+            contexts.append(json.loads(out))
+        return contexts
     finally:
         for proc in procs:
             proc.kill()
