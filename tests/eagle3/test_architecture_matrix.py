@@ -6,7 +6,7 @@
   base it inherits `__init__` from) assigns the next attribute of the path, the last one the
   layer list and, after it, a final norm (attribute name and norm class as written there). A
   module tree with those names must resolve to the row's path. Seconds, no vLLM engine.
-- docs/architectures.md and the README's Architectures table are generated from the rows.
+- docs/architectures.md is generated from the rows (its prose included).
 - The capture's read of a class's own aux code (eagle3/capture/hooks.py) on a toy inner model whose layers
   return (full state, stale residual) as Cohere2Moe's do: what is stored, what the caller gets back, the
   aux settings restored, and a forward that does not return the states asked for refused.
@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3.capture.architectures import ROWS, Row, markdown, readme_table
+from eagle3.capture.architectures import ROWS, Row, markdown
 from eagle3.capture.layers import NORM_NAMES, resolve_decoder_stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,13 +173,6 @@ def test_each_rows_evidence_names_a_test_that_exists(row: Row):
 def test_docs_table_is_generated_from_the_rows():
     assert (REPO / "docs" / "architectures.md").read_text() == markdown(), (
         "docs/architectures.md is stale: run `python -m eagle3.capture.architectures > docs/architectures.md`")
-
-
-def test_readme_architectures_table_is_generated_from_the_rows():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Architectures\n", 1)[-1].split("\n## ", 1)[0]
-    assert readme_table() in section, (
-        "README.md's Architectures table is stale: paste `python -m eagle3.capture.architectures --readme` there")
 
 
 # -- the capture's read of a class's own aux code (eagle3/capture/hooks.py), on a toy module: no engine --------------
