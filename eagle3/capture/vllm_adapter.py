@@ -84,7 +84,7 @@ def check_version(version: str) -> None:
     if not low <= (major, minor) < high:
         raise VllmUnsupported(
             f"vLLM {version} is not supported by this eagle3-pipeline (supported: vllm{SUPPORTED_TEXT}); "
-            "install a supported version (README: Install)"
+            "install a supported version (docs/gpu-install.md)"
         )
 
 
@@ -93,7 +93,7 @@ def _import_vllm():  # noqa: ANN202 - the module object
         import vllm
     except ImportError as err:
         raise VllmUnsupported(
-            f"vLLM is not installed ({err}); install the `cpu` or `gpu` extra (README: Install)"
+            f"vLLM is not installed ({err}); install the `cpu` or `gpu` extra (docs/gpu-install.md)"
         ) from err
     check_version(vllm.__version__)
     _patch_dispatcher_vars(vllm.__version__)

@@ -88,7 +88,7 @@ def test_unknown_config_key(tmp_path: Path, cli_env):
     out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", "train.stepz=3"], cli_env, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: invalid configuration: train.stepz: unknown setting (check the spelling; README lists every setting)"
+        "error: invalid configuration: train.stepz: unknown setting (check the spelling; docs/settings.md lists every setting)"
     ]
     assert not run_dir.exists()
 
