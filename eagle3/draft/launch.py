@@ -54,6 +54,7 @@ import torch
 from eagle3.artifacts import atomic_write_text
 from eagle3.draft import ddp
 from eagle3.draft.train import LOSSES, TrainConfig, TrainError, TrainResult, train_draft
+from eagle3.draft.train_config import effective_grad_accum
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ def resolve_num_processes(config: TrainConfig) -> int:
     if gpus and n > gpus:
         raise TrainError(f"train.num_processes={n}, but {gpus} GPU(s) are visible (CUDA_VISIBLE_DEVICES); "
                          f"set train.num_processes to at most {gpus}, or 'auto'")
-    ddp.check_grad_accum(config.grad_accum, ddp.DistContext(world_size=n * config.nnodes))
+    ranks = n * config.nnodes
+    ddp.check_grad_accum(effective_grad_accum(config, gpus > 0, ranks), ddp.DistContext(world_size=ranks))
     return n
 
 

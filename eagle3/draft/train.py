@@ -45,7 +45,8 @@ from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
 from eagle3.draft.optim import MuonWithAdamW, build_optimizer
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 # the settings live in eagle3.draft.train_config; imported from here too
-from eagle3.draft.train_config import ADDED_WITH_DEFAULT, RUNTIME_ONLY, TrainConfig, TrainError, _RESUMABLE_CHANGES, lr_at  # noqa: F401
+from eagle3.draft.train_config import (ADDED_WITH_DEFAULT, RUNTIME_ONLY, TrainConfig, TrainError,  # noqa: F401
+                                       _RESUMABLE_CHANGES, lr_at, with_effective_grad_accum)
 from eagle3.draft.vocab import VocabMapping, load_mapping
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class _Run:
 def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Path, vocab_path: Path,
            init_from: Path | None) -> _Run:
     ctx = ddp.context_from_env()
+    config = with_effective_grad_accum(config, ddp.device_for(ctx).type == "cuda", ctx.world_size)  # tokens_per_step
     ddp.check_grad_accum(config.grad_accum, ctx)
     reader = StoreReader(store_dir)
     target = read_target_config(target_dir)

@@ -18,7 +18,9 @@ _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "det
                       "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 # Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
 # so an upgrade does not retrain drafts whose settings did not change.
-ADDED_WITH_DEFAULT = {"optimizer": "adamw"}
+ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto"}
+# train.tokens_per_step='auto' on CUDA: tokens per optimizer step (8 micro-batches of 2,048 tokens)
+AUTO_TOKENS_PER_STEP_CUDA = 16_384
 # Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
 RUNTIME_ONLY = {"compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 
@@ -51,6 +53,14 @@ class TrainConfig(BaseModel):
         "(a longer sample is cut to this length)."
     )
     grad_accum: int = Field(default=1, ge=1, description="Micro-batches whose gradients add up to one step.")
+    tokens_per_step: int | Literal["auto"] = Field(
+        default="auto", description="Tokens one optimizer step trains at least: train.grad_accum becomes the number "
+        "of train.batch_tokens micro-batches that reach it, rounded up to a multiple of the training processes. "
+        f"'auto': {AUTO_TOKENS_PER_STEP_CUDA:,} on CUDA (steps of one 2,048-token micro-batch leave a GPU waiting on "
+        "the optimizer, Muon's the longest), and train.grad_accum as set on the CPU. An explicit train.grad_accum "
+        "above 1 wins over 'auto'; a number here needs train.grad_accum left at 1. Part of the stage's fingerprint "
+        "as the grad_accum it gives on the machine that computes the fingerprint."
+    )
     ttt_steps: int = Field(default=3, ge=1, description="TTT unroll depth: draft tokens trained per position.")
     checkpoint_every: int = Field(
         default=200, ge=1, description="Write a checkpoint every this many steps (and at the end)."
@@ -109,6 +119,13 @@ class TrainConfig(BaseModel):
     def _check(self) -> TrainConfig:
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
+        if isinstance(self.tokens_per_step, int) and self.tokens_per_step < 1:
+            raise ValueError(f"train.tokens_per_step is {self.tokens_per_step}; expected a number of tokens >= 1 or "
+                             "'auto'")
+        if isinstance(self.tokens_per_step, int) and self.grad_accum > 1:
+            raise ValueError(f"train.tokens_per_step ({self.tokens_per_step}) and train.grad_accum ({self.grad_accum}) "
+                             "both set the micro-batches of a step; set one of them (train.grad_accum=1, or "
+                             "train.tokens_per_step='auto')")
         if isinstance(self.num_processes, int) and self.num_processes < 1:
             raise ValueError(f"train.num_processes is {self.num_processes}; expected a number >= 1 or 'auto'")
         if self.nnodes > 1 or self.rdzv_endpoint is not None:
@@ -123,6 +140,23 @@ class TrainConfig(BaseModel):
                              "machines of train.num_processes='auto' ranks each; set train.grad_accum to a multiple of "
                              "train.nnodes x the ranks per machine")
         return self
+
+
+def effective_grad_accum(config: TrainConfig, cuda: bool, ranks: int = 1) -> int:
+    """Micro-batches per optimizer step on this device (`cuda`) with `ranks` training processes in all:
+    train.grad_accum, or what train.tokens_per_step asks for (see its description)."""
+    auto = config.tokens_per_step == "auto"
+    if auto and (not cuda or config.grad_accum > 1):
+        return config.grad_accum
+    tokens = AUTO_TOKENS_PER_STEP_CUDA if auto else int(config.tokens_per_step)
+    micro_batches = math.ceil(tokens / config.batch_tokens)
+    return math.ceil(micro_batches / ranks) * ranks
+
+
+def with_effective_grad_accum(config: TrainConfig, cuda: bool, ranks: int = 1) -> TrainConfig:
+    """`config` with train.grad_accum as this device trains it (effective_grad_accum); not re-validated, so a
+    number in train.tokens_per_step may stand beside the grad_accum it gives."""
+    return config.model_copy(update={"grad_accum": effective_grad_accum(config, cuda, ranks)})
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
