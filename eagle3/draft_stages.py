@@ -191,6 +191,10 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                       "served_identical_share": round(served.identical_share, 4),
                       "served_near_ties": served.near_ties, "served_num_drafts": served.num_drafts,
                       "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
+            if served.request_mean_acceptance_length is not None:
+                stats["served_request_mean_acceptance_length"] = round(served.request_mean_acceptance_length, 4)
+            if served.speedup is not None:
+                stats["served_speedup"] = round(served.speedup, 4)
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
 
 

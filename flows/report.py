@@ -58,7 +58,23 @@ def acceptance_table(evaluation: Path | None) -> str:
         per = [f"{p:.3f}" for p in block.get("per_position") or []] + [""] * width
         drafts = block.get("num_drafts", "")
         lines.append(f"| {name} | {block['acceptance_length']:.3f} | {drafts} | " + " | ".join(per[:width]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + _served_lines(payload.get("served"))
+
+
+def _served_lines(served: dict | None) -> str:
+    """Under the table: the served run's mean per request beside the pooled figure, and its speedup."""
+    if not isinstance(served, dict):
+        return ""
+    notes = []
+    if served.get("request_mean_acceptance_length") is not None:
+        notes.append(f"served acceptance pooled over requests (vLLM's metrics) {served['acceptance_length']:.3f}, "
+                     f"mean per request {served['request_mean_acceptance_length']:.3f}")
+    if served.get("speedup") is not None:
+        with_draft, without = served["tokens_per_second"]
+        slower = " (the draft makes serving slower on this machine: see acceptance.md)" if served["speedup"] < 1 else ""
+        notes.append(f"speedup {served['speedup']:.2f}x: {with_draft:.1f} tokens/s with the draft, {without:.1f} "
+                     f"without{slower}")
+    return "".join(f"\n\n{note[0].upper()}{note[1:]}." for note in notes)
 
 
 def collect_plots(sources: Sequence[Path | None], run_dir: Path) -> list[Path]:

@@ -36,7 +36,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -376,6 +376,10 @@ class GreedyOutput:
 
     token_ids: list[int]
     top_logprobs: list[dict[int, float]]  # [i]: token id -> logprob of the top-n candidates at step i
+    # this request's own spec-decode counts (vLLM's per-request metrics): verify steps that had a draft, and the
+    # draft tokens accepted over them; None without a draft or on a vLLM without per-request metrics
+    spec_steps: int | None = None
+    spec_accepted: int | None = None
 
 
 def load_serving_engine(
@@ -403,7 +407,14 @@ def load_serving_engine(
             raise VllmUnsupported(f"num_speculative_tokens is {num_speculative_tokens}; expected >= 1 with a draft")
         speculative = {"method": "eagle3", "model": str(speculative_dir), "num_speculative_tokens": num_speculative_tokens}
     attention_backend = mla_attention_backend(str(model_dir), dtype)
+    if speculative is not None and attention_backend is not None:
+        # an MLA draft takes its backend from here, never from the target (v1/spec_decode/llm_base_proposer.py):
+        # on an AMX CPU a float32 draft would pick AMX_MLA and refuse its weights
+        speculative["attention_backend"] = attention_backend
     target_preflight(Path(model_dir), 1, kv_cache_gib)
+    per_request = {}
+    if speculative is not None and "per_request_spec_decode_metrics" in {f.name for f in fields(vllm.EngineArgs)}:
+        per_request["per_request_spec_decode_metrics"] = "summary"  # each request's own acceptance (vLLM >= 0.32)
     return vllm.LLM(
         model=str(model_dir),
         dtype=dtype,
@@ -416,6 +427,7 @@ def load_serving_engine(
         skip_tokenizer_init=True,
         speculative_config=speculative,
         attention_backend=attention_backend,
+        **per_request,
     )
 
 
@@ -431,7 +443,12 @@ def greedy_generate(llm, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
         completion = out.outputs[0]
         steps = completion.logprobs or []
         tops = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in steps]
-        results.append(GreedyOutput(token_ids=list(completion.token_ids), top_logprobs=tops))
+        metrics = getattr(completion, "spec_decode_metrics", None)
+        histogram = list(getattr(metrics, "histogram", None) or [])
+        results.append(GreedyOutput(
+            token_ids=list(completion.token_ids), top_logprobs=tops,
+            spec_steps=sum(histogram) if metrics is not None else None,
+            spec_accepted=sum(j * count for j, count in enumerate(histogram)) if metrics is not None else None))
     return results
 
 

@@ -123,6 +123,35 @@ class ServedReport:
     agree_drift_max: float = 0.0  # its largest value (nats)
     agree_drift_p99: float = 0.0  # its 99th percentile (nats)
     agree_drift_nonzero: int = 0  # positions where it is not 0: the two engines' logits differed there at all
+    # each request's own drafts and accepted draft tokens (vLLM's per-request metrics), in prompt order; empty when
+    # vLLM gave none. Summed, they are the pooled counters above.
+    request_drafts: list[int] = field(default_factory=list)
+    request_accepted: list[int] = field(default_factory=list)
+    reference_tokens: int = 0  # tokens the run without the draft generated (generated_tokens: with it)
+
+    @property
+    def request_acceptance(self) -> list[float]:
+        """Each request's own acceptance length, 1 + its accepted / its drafts, for the requests that drafted."""
+        return [1.0 + a / d for d, a in zip(self.request_drafts, self.request_accepted, strict=True) if d]
+
+    @property
+    def request_mean_acceptance_length(self) -> float | None:
+        """The mean over requests of each one's acceptance length: short requests weigh as much as long ones."""
+        lengths = self.request_acceptance
+        return sum(lengths) / len(lengths) if lengths else None
+
+    @property
+    def tokens_per_second(self) -> tuple[float, float] | None:
+        """(with the draft, without it): generated tokens over generation seconds, loads excluded."""
+        if self.seconds_speculative <= 0 or self.seconds_reference <= 0:
+            return None
+        return self.generated_tokens / self.seconds_speculative, self.reference_tokens / self.seconds_reference
+
+    @property
+    def speedup(self) -> float | None:
+        """Tokens/s with the draft over tokens/s without: above 1 the draft makes serving faster."""
+        rates = self.tokens_per_second
+        return rates[0] / rates[1] if rates and rates[1] > 0 else None
 
     @property
     def identical_share(self) -> float:
@@ -139,7 +168,9 @@ class ServedReport:
         return self.identical / judged if judged else 1.0
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self) | {"identical_share": self.identical_share, "near_ties": self.near_ties,
+        return asdict(self) | {"request_mean_acceptance_length": self.request_mean_acceptance_length,
+                               "speedup": self.speedup, "tokens_per_second": self.tokens_per_second,
+                               "identical_share": self.identical_share, "near_ties": self.near_ties,
                                "identical_share_outside_near_ties": self.identical_share_outside_near_ties,
                                "near_tie": [d.is_near_tie(self.near_tie_gap) for d in self.divergences]}
 
@@ -149,12 +180,10 @@ class ServedReport:
         rule = "|---|" + "---|" * len(self.per_position)
         row = "| accepted share | " + " | ".join(f"{p:.3f}" for p in self.per_position) + " |"
         unexplained = len(self.divergences) - self.near_ties
-        speed = ""
-        if self.seconds_speculative > 0 and self.seconds_reference > 0:
-            speed = f"; wall time {self.seconds_speculative:.1f} s with the draft, {self.seconds_reference:.1f} s without"
         text = (
             f"**Served acceptance length (vLLM's counters): {self.acceptance_length:.3f}** "
-            f"({self.num_drafts} drafts of {len(self.per_position)} tokens over {self.num_prompts} prompts{speed})\n\n"
+            f"({self.num_drafts} drafts of {len(self.per_position)} tokens over {self.num_prompts} prompts). "
+            f"{self._pooled_and_mean()}\n\n{self._speed()}"
             f"{header}\n{rule}\n{row}\n\n"
             f"Greedy output identical to the run without speculation: {self.identical}/{self.num_prompts} "
             f"({self.identical_share:.1%}); of the {len(self.divergences)} that differ, {self.near_ties} are proven "
@@ -166,6 +195,31 @@ class ServedReport:
                      f"logprob gaps differ at {self.agree_drift_nonzero}, by up to {self.agree_drift_max:.3g} nats "
                      f"(99th percentile {self.agree_drift_p99:.3g}): the rounding between the two engines' batch shapes.\n")
         return text + (self._divergence_table() if self.divergences else "")
+
+    def _pooled_and_mean(self) -> str:
+        pooled = ("This is the pooled figure, all requests' accepted tokens over all their drafts: the one vLLM's "
+                  "metrics report (the `vllm:spec_decode_*` counters and its logged acceptance).")
+        mean = self.request_mean_acceptance_length
+        if mean is None:
+            return pooled + " This vLLM gave no per-request metrics, so no mean per request."
+        return (pooled + f" The mean per request, each request's own acceptance length averaged over the "
+                f"{len(self.request_acceptance)} requests that drafted, is {mean:.3f}: it weighs a short request as "
+                "much as a long one, so the two differ when acceptance varies with length.")
+
+    def _speed(self) -> str:
+        rates = self.tokens_per_second
+        if rates is None or self.speedup is None:
+            return ""
+        text = (f"**Speedup: {self.speedup:.2f}x** ({rates[0]:.1f} tokens/s with the draft, {rates[1]:.1f} without; "
+                f"greedy generation of the same prompts, loads excluded: {self.seconds_speculative:.1f} s against "
+                f"{self.seconds_reference:.1f} s).")
+        if self.speedup < 1:
+            text += (" **The draft makes serving slower on this machine.** Each step runs the draft once per draft "
+                     "token and verifies them all in one target pass; that pays only when a target pass costs much "
+                     "more than a draft pass and verifying several tokens costs about as much as decoding one, as for "
+                     "a large target on a GPU. On a CPU, or with a target barely larger than its draft, the draft's "
+                     "own cost and the longer verify pass eat what the accepted tokens save.")
+        return text + "\n\n"
 
     def _divergence_table(self) -> str:
         def cell(rank: int | None, gap: float | None) -> str:
@@ -289,6 +343,9 @@ def build_report(
         generated_tokens=sum(len(o.token_ids) for o in spec),
         seconds_speculative=seconds_spec,
         seconds_reference=seconds_ref,
+        request_drafts=[o.spec_steps for o in spec] if all(o.spec_steps is not None for o in spec) else [],
+        request_accepted=[o.spec_accepted for o in spec] if all(o.spec_accepted is not None for o in spec) else [],
+        reference_tokens=sum(len(o.token_ids) for o in ref),
         agree_positions=len(drift),
         agree_drift_max=drift[-1] if drift else 0.0,
         agree_drift_p99=drift[min(len(drift) - 1, int(0.99 * len(drift)))] if drift else 0.0,

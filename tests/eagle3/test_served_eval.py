@@ -113,13 +113,45 @@ def test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged(tmp_path)
     stats = record.stats
     assert stats["served_acceptance_length"] == round(served["acceptance_length"], 4)
     assert stats["served_identical_share"] == round(served["identical"] / 12, 4)
+    # vLLM's per-request metrics: each prompt's own drafts and accepted tokens, which add up to its pooled counters
+    assert len(served["request_drafts"]) == 12 and sum(served["request_drafts"]) == served["num_drafts"]
+    assert sum(served["request_accepted"]) == served["num_accepted_tokens"]
+    assert 1.0 <= served["request_mean_acceptance_length"] <= 1.0 + 3
+    assert stats["served_request_mean_acceptance_length"] == round(served["request_mean_acceptance_length"], 4)
+    # the speedup: tokens/s with the draft over tokens/s without, from the same greedy generations
+    with_draft, without = served["tokens_per_second"]
+    assert served["speedup"] == pytest.approx(with_draft / without) and stats["served_speedup"] > 0
     assert stats["acceptance_length"] == round(simulated["acceptance_length"], 4)
     markdown = (record.path / "acceptance.md").read_text()
     assert "(a) Simulated" in markdown and "(b) Served by vLLM" in markdown
+    assert "the one vLLM's metrics report" in markdown and "The mean per request" in markdown
+    assert f"**Speedup: {served['speedup']:.2f}x**" in markdown
     for name in ("acceptance_by_position.png", "training_loss.png"):
         assert f"]({name})" in markdown
         png = (record.path / name).read_bytes()
         assert png.startswith(PNG_MAGIC) and len(png) > 5000
+
+
+def test_the_report_gives_pooled_and_per_request_acceptance_and_calls_out_a_slower_draft():
+    """Two requests: a long one that accepts little and a short one that accepts all. vLLM's counters pool them
+    (accepted over drafts: 1 + 7/10), the mean per request weighs them alike ((1 + 1/8 + 1 + 6/2) / 2), and a run
+    with the draft that made fewer tokens per second is called slower, with why."""
+    ref = [GreedyOutput([1] * 20, [{1: -0.1}] * 20), GreedyOutput([2] * 6, [{2: -0.1}] * 6)]
+    spec = [GreedyOutput([1] * 20, [{1: -0.1}] * 20, spec_steps=8, spec_accepted=1),
+            GreedyOutput([2] * 6, [{2: -0.1}] * 6, spec_steps=2, spec_accepted=6)]
+    counters = SpecDecodeCounters(drafts=10, draft_tokens=30, accepted_tokens=7, accepted_per_position=(4, 2, 1))
+    report = build_report(counters, spec, ref, num_draft_tokens=3, near_tie_gap=0.1, seconds_spec=2.6,
+                          seconds_ref=2.0)
+    assert report.acceptance_length == pytest.approx(1.7)
+    assert report.request_mean_acceptance_length == pytest.approx(((1 + 1 / 8) + (1 + 6 / 2)) / 2)
+    assert report.tokens_per_second == pytest.approx((26 / 2.6, 26 / 2.0))
+    assert report.speedup == pytest.approx(2.0 / 2.6)
+    text = report.to_markdown()
+    assert "**Speedup: 0.77x**" in text and "The draft makes serving slower on this machine" in text
+    faster = build_report(counters, spec, ref, num_draft_tokens=3, near_tie_gap=0.1, seconds_spec=1.0, seconds_ref=2.0)
+    assert "**Speedup: 2.00x**" in faster.to_markdown() and "slower" not in faster.to_markdown()
+    old_vllm = build_report(counters, [GreedyOutput(o.token_ids, o.top_logprobs) for o in spec], ref, 3, 0.1)
+    assert old_vllm.request_mean_acceptance_length is None and "no per-request metrics" in old_vllm.to_markdown()
 
 
 def test_vllm_logprobs_back_each_difference_with_evidence(tmp_path, monkeypatch):
