@@ -19,6 +19,7 @@ from eagle3.capture.extract import ExtractConfig
 from eagle3.capture.regenerate import RegenerateConfig
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems
+from eagle3.draft.architecture import DraftArchitectureError, read_text_config, resolve
 from eagle3.draft.ddp import DistError
 from eagle3.draft.evaluate import EvalConfig
 from eagle3.draft.launch import resolve_num_processes
@@ -114,6 +115,10 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
     try:
         check_aux_layer_ids(info.aux_layer_ids, info.num_layers)
     except ValueError as err:
+        problems.append(str(err))
+    try:  # train.draft.architecture: deepseek_mla needs an MLA target, MLA shapes need the MLA draft
+        resolve(config.train.draft, read_text_config(Path(info.model_dir)), where=f"the target {info.model_dir}")
+    except DraftArchitectureError as err:
         problems.append(str(err))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems += parallel_problems(config.target, Path(info.model_dir), gpus)

@@ -15,7 +15,8 @@ import torch
 from eagle3.artifacts import StageRecord, atomic_write_text, building, mark_complete
 from eagle3.capture.store import StoreReader
 from eagle3.data import conversations
-from eagle3.data.target import HEAD_FILE, TargetInfo
+from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
+from eagle3.draft.architecture import read_text_config, resolve
 from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, Progress, simulate_acceptance
 from eagle3.draft.export import export_draft
 from eagle3.draft.launch import resolve_num_processes, train_distributed
@@ -60,10 +61,17 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
     cuda = torch.cuda.is_available()
     ranks = resolve_num_processes(config) * config.nnodes
     settings = with_effective_grad_accum(config, cuda, ranks).model_dump(exclude=RUNTIME_ONLY)
+    settings["draft"] = resolve(config.draft, _target_text_config(target)).model_dump()  # auto: what it trains
     for name, default in ADDED_WITH_DEFAULT.items():  # a setting added later, at its default: the old fingerprint
         if settings[name] == default:
             del settings[name]
     return stage_fingerprint("train", settings, extracted.fingerprint, vocab.fingerprint, target.fingerprint)
+
+
+def _target_text_config(target: StageRecord) -> dict | None:
+    """The target's (text) config.json for train.draft's auto; None for a record without its artifact (tests)."""
+    info = target.path / INFO_FILE
+    return read_text_config(Path(TargetInfo.read(target.path).model_dir)) if info.is_file() else None
 
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,

@@ -9,6 +9,9 @@ no embedding of its own and shares the target's (the one the draft was trained w
 When the draft vocabulary is the whole target vocabulary, d2t/t2d are NOT written: vLLM then
 has no mapping parameter and refuses a checkpoint that carries one (the mapping is the identity).
 `load_exported_draft` reads such a folder back into an Eagle3Draft and its VocabMapping.
+
+The MLA draft (train.draft.architecture deepseek_mla) is written in vLLM's native EAGLE-3 layout instead
+(eagle3.draft.mla_export), with the same d2t/t2d rule; `load_exported_draft` reads both.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.artifacts import fsync_path
+from eagle3.draft import mla_export
+from eagle3.draft.architecture import build_draft, draft_config_from_dict
 from eagle3.draft.checkpoint import load_checkpoint
+from eagle3.draft.mla import MLADraftConfig
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.draft.target_head import rope_parameters_of
 from eagle3.draft.vocab import VocabMapping, check_mapping, load_mapping
@@ -58,7 +64,7 @@ def speculators_config(
     )
 
 
-def _check_inputs(draft: DraftConfig, mapping: VocabMapping, aux_layer_ids: list[int], trained_aux: object) -> None:
+def _check_inputs(draft: DraftConfig | MLADraftConfig, mapping: VocabMapping, aux_layer_ids: list[int], trained_aux: object) -> None:
     if len(aux_layer_ids) != draft.num_aux_hidden_states:
         raise ExportError(
             f"aux_layer_ids {aux_layer_ids} has {len(aux_layer_ids)} ids, the checkpoint's fc fuses "
@@ -84,10 +90,10 @@ def export_draft(
 ) -> Path:
     """Write the speculators-format folder for `checkpoint_dir` to `out_dir` (atomically); returns out_dir."""
     checkpoint = load_checkpoint(Path(checkpoint_dir))
-    draft = DraftConfig(**checkpoint.meta["draft_config"])
+    draft = draft_config_from_dict(checkpoint.meta["draft_config"])
     mapping = load_mapping(Path(vocab_path))
     _check_inputs(draft, mapping, list(aux_layer_ids), checkpoint.meta.get("aux_layer_ids"))
-    expected = set(Eagle3Draft(draft).state_dict())
+    expected = set(build_draft(draft).state_dict())
     if set(checkpoint.weights) != expected:
         raise ExportError(f"checkpoint {checkpoint_dir} weights {sorted(checkpoint.weights)} != {sorted(expected)}")
 
@@ -97,12 +103,18 @@ def export_draft(
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     tmp.mkdir()
-    config = speculators_config(
-        draft, aux_layer_ids=list(aux_layer_ids), target_dir=Path(target_dir),
-        num_speculative_tokens=num_speculative_tokens,
-    )
-    config.save_pretrained(str(tmp))
-    tensors = {name: t.contiguous() for name, t in checkpoint.weights.items()}
+    if isinstance(draft, MLADraftConfig):  # vLLM's native layout (eagle3.draft.mla_export)
+        native = mla_export.vllm_config(draft, aux_layer_ids=list(aux_layer_ids),
+                                        num_speculative_tokens=num_speculative_tokens)
+        (tmp / "config.json").write_text(json.dumps(native, indent=1))
+        tensors = {mla_export.to_native(name): t.contiguous() for name, t in checkpoint.weights.items()}
+    else:
+        config = speculators_config(
+            draft, aux_layer_ids=list(aux_layer_ids), target_dir=Path(target_dir),
+            num_speculative_tokens=num_speculative_tokens,
+        )
+        config.save_pretrained(str(tmp))
+        tensors = {name: t.contiguous() for name, t in checkpoint.weights.items()}
     if mapping.draft_vocab_size != mapping.target_vocab_size:  # else the identity, which vLLM wants left out
         tensors["d2t"], tensors["t2d"] = mapping.d2t.contiguous(), mapping.t2d.contiguous()
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -127,11 +139,34 @@ def load_exported_draft(export_dir: Path) -> tuple[Eagle3Draft, VocabMapping]:
     """Read an exported folder back: the draft (fp32, eval mode) and its d2t/t2d."""
     export_dir = Path(export_dir)
     raw = json.loads((export_dir / "config.json").read_text())
+    native = mla_export.is_native_mla(raw)
+    draft = mla_export.draft_config_of(raw) if native else _speculators_draft_config(raw, export_dir)
+    tensors = load_file(str(export_dir / WEIGHTS))
+    if native:
+        tensors = {mla_export.from_native(name): t for name, t in tensors.items()}
+    if "d2t" in tensors:
+        mapping = VocabMapping(d2t=tensors.pop("d2t").to(torch.int64), t2d=tensors.pop("t2d").to(torch.bool))
+    elif draft.draft_vocab_size == draft.target_vocab_size:  # the whole vocabulary: the identity mapping
+        mapping = VocabMapping(d2t=torch.zeros(draft.draft_vocab_size, dtype=torch.int64),
+                               t2d=torch.ones(draft.target_vocab_size, dtype=torch.bool))
+    else:
+        raise ExportError(f"{export_dir / WEIGHTS} has no d2t/t2d, but its draft vocabulary ({draft.draft_vocab_size}) "
+                          f"is smaller than the target's ({draft.target_vocab_size}); re-export the draft")
+    check_mapping(mapping, source=str(export_dir / WEIGHTS))
+    tensors.pop("embed_tokens.weight", None)  # some exporters ship the target's embedding; it is not the draft's
+    model = build_draft(draft)
+    model.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return model.eval(), mapping
+
+
+def _speculators_draft_config(raw: dict, export_dir: Path) -> DraftConfig:
+    """The Llama-style DraftConfig of a speculators-format config.json."""
     if raw.get("speculators_model_type") != "eagle3":
         raise ExportError(f"{export_dir} is not an EAGLE-3 speculators folder (speculators_model_type "
-                          f"{raw.get('speculators_model_type')!r})")
+                          f"{raw.get('speculators_model_type')!r}) nor vLLM's native MLA EAGLE-3 layout "
+                          f"(architectures {raw.get('architectures')})")
     layer = raw["transformer_layer_config"]
-    draft = DraftConfig(
+    return DraftConfig(
         hidden_size=layer["hidden_size"],
         num_attention_heads=layer["num_attention_heads"],
         num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
@@ -146,17 +181,4 @@ def load_exported_draft(export_dir: Path) -> tuple[Eagle3Draft, VocabMapping]:
         draft_vocab_size=raw["draft_vocab_size"],
         norm_before_residual=raw.get("norm_before_residual", True),  # vLLM's default when absent
     )
-    tensors = load_file(str(export_dir / WEIGHTS))
-    if "d2t" in tensors:
-        mapping = VocabMapping(d2t=tensors.pop("d2t").to(torch.int64), t2d=tensors.pop("t2d").to(torch.bool))
-    elif draft.draft_vocab_size == draft.target_vocab_size:  # the whole vocabulary: the identity mapping
-        mapping = VocabMapping(d2t=torch.zeros(draft.draft_vocab_size, dtype=torch.int64),
-                               t2d=torch.ones(draft.target_vocab_size, dtype=torch.bool))
-    else:
-        raise ExportError(f"{export_dir / WEIGHTS} has no d2t/t2d, but its draft vocabulary ({draft.draft_vocab_size}) "
-                          f"is smaller than the target's ({draft.target_vocab_size}); re-export the draft")
-    check_mapping(mapping, source=str(export_dir / WEIGHTS))
-    tensors.pop("embed_tokens.weight", None)  # some exporters ship the target's embedding; it is not the draft's
-    model = Eagle3Draft(draft)
-    model.load_state_dict({k: v.float() for k, v in tensors.items()})
-    return model.eval(), mapping
+

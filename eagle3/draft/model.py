@@ -36,7 +36,6 @@ position of step j at row t: position(t) + j.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -47,7 +46,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eagle3.draft.target_head import TargetHead, TargetTextConfig, rms_norm
-from eagle3.draft.ttt_attention import TTTCache, block_attention, new_ttt_cache
+from eagle3.draft.ttt_attention import TTTCache, new_ttt_cache, ttt_attend
 from eagle3.draft.vocab import VocabMapping
 
 
@@ -206,19 +205,8 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux.flatten(-2))  # [L, n_aux*H] -> [L, H]
 
     def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-        """x [L, 2H] -> attention output [L, H]; adds this step's keys and values to `cache`.
-
-        Step 0 is causal attention over the step-0 keys. At step j >= 1 a row also sees its
-        own keys of steps 1..j (ttt_attention_mask). Those j scores per row are computed
-        directly; their log-sum-exp s_d enters ONE attention call over the step-0 keys as a
-        "sink" key, prepended, whose score for row r is s_d(r) (an extra query dimension holds
-        s_d(r)*sqrt(hd), split into hi + lo so bf16 keeps it exact; the sink key holds 1 there)
-        and whose value is a one-hot extra dimension. The output's extra dimension is then the
-        sink's share p of the softmax, and
-            out = out[:hd] + p * (softmax-weighted mean of the row's own values)
-        is exactly attention under the dense mask, at the cost of plain causal attention (no
-        [L, L*(j+1)] mask; flash kernels on CUDA when the batch is one document).
-        """
+        """x [L, 2H] -> attention output [L, H]; adds this step's keys and values to `cache` (ttt_attend says how
+        the TTT mask is computed without building it)."""
         c, attn = self.config, self.layers[0].self_attn
         length, hd, groups = x.shape[0], c.head_dim, c.num_attention_heads // c.num_key_value_heads
         q = attn.q_proj(x).view(length, c.num_attention_heads, hd).transpose(0, 1)  # [heads, L, hd]
@@ -227,21 +215,7 @@ class Eagle3Draft(nn.Module):
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # bf16 under autocast: keeps attention in bf16
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if cache.block_keys is None:  # step 0
-            cache.block_keys, cache.block_values = k, v
-            out = block_attention(q, None, cache, groups)  # [heads, L, hd]
-        else:
-            cache.own_keys.append(k)
-            cache.own_values.append(v)
-            q_groups = q.view(c.num_key_value_heads, groups, length, hd)  # [kvh, g, L, hd]
-            own_k = torch.stack(cache.own_keys)[:, :, None]  # [j, kvh, 1, L, hd]
-            own_v = torch.stack(cache.own_values)[:, :, None]  # [j, kvh, 1, L, hd]
-            scores = (q_groups[None].float() * own_k.float()).sum(-1) / math.sqrt(hd)  # [j, kvh, g, L]
-            sink_score = torch.logsumexp(scores, dim=0).reshape(c.num_attention_heads, length)  # [heads, L]
-            weights = torch.softmax(scores, dim=0)[..., None]  # [j, kvh, g, L, 1]
-            own_mean = (weights * own_v.float()).sum(0).reshape(c.num_attention_heads, length, hd)  # [heads, L, hd]
-            out = block_attention(q, sink_score, cache, groups)  # [heads, L, hd + 1]
-            out = out[..., :hd] + out[..., hd:] * own_mean.to(out.dtype)  # [heads, L, hd]
+        out = ttt_attend(q, k, v, cache, groups)  # [heads, L, hd]
         return attn.o_proj(out.transpose(0, 1).reshape(length, -1))  # [heads, L, hd] -> [L, heads*hd] -> [L, H]
 
     def step(

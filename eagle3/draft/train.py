@@ -41,7 +41,8 @@ from eagle3.draft.checkpoint import Checkpoint, checkpoint_name, clean_temporari
 from eagle3.draft.evaluate import simulate_acceptance
 from eagle3.draft.export import ExportError, load_exported_draft
 from eagle3.draft.loss import EAGER, LossKernels, batch_loss, compiled_kernels
-from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
+from eagle3.draft.architecture import DraftArchitectureError, build_draft, draft_config_for, read_text_config, resolve
+from eagle3.draft.model import Eagle3Draft, init_draft
 from eagle3.draft.optim import MuonWithAdamW, build_optimizer
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 # the settings live in eagle3.draft.train_config; imported from here too
@@ -109,13 +110,15 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
         raise TrainError(f"store {store_dir} has hidden size {reader.hidden_size}, the target {target.hidden_size}")
     if len(reader) == 0:
         raise TrainError(f"store {store_dir} holds no samples; check the data and extract stages")
-    draft_config = DraftConfig.from_target(
-        target, num_aux_hidden_states=len(reader.aux_layer_ids), draft_vocab_size=mapping.draft_vocab_size
-    )
+    try:  # train.draft: auto resolved by the target's config; deepseek_mla on a non-MLA target refused
+        draft_config = draft_config_for(config.draft, target_dir, num_aux_hidden_states=len(reader.aux_layer_ids),
+                                        draft_vocab_size=mapping.draft_vocab_size)
+    except DraftArchitectureError as err:
+        raise TrainError(str(err)) from None
     device = ddp.device_for(ctx)
     bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
     full_head = load_target_head(head_path, target)
-    model = Eagle3Draft(draft_config)
+    model = build_draft(draft_config)
     init_draft(model, full_head, mapping, config.seed)
     if init_from is not None:
         _warm_start(model, mapping, Path(init_from))
@@ -135,7 +138,8 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     names = [n for n, _ in model.named_parameters()]
     optimizer = build_optimizer(config.optimizer, names, updated, config.learning_rate, config.weight_decay,
                                 fused=device.type == "cuda")
-    meta = {"train_config": config.model_dump(), "draft_config": draft_config.model_dump(),
+    settings = config.model_dump() | {"draft": resolve(config.draft, read_text_config(target_dir)).model_dump()}
+    meta = {"train_config": settings, "draft_config": draft_config.model_dump(),
             "aux_layer_ids": reader.aux_layer_ids, "num_samples": len(reader),
             "init_from": None if init_from is None else str(init_from)}
     locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
@@ -296,7 +300,7 @@ def _evaluate(run: _Run, heldout: Path, head: TargetHead) -> dict:
     """Simulated acceptance of the current weights on the held-out store (one evals.jsonl entry)."""
     model = run.model
     if run.master is not None:  # scored in fp32, as the export will be
-        model = Eagle3Draft(run.model.config).to(run.device)
+        model = build_draft(run.model.config).to(run.device)
         model.load_state_dict(_weights(run))
     report = simulate_acceptance((model, run.mapping), heldout, head, run.config.num_draft_tokens_eval,
                                  greedy_cache=run.greedy_cache, verify=False)  # verified once, in _loop

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.draft import ddp
+from eagle3.draft.architecture import DraftSettings
 
 # Settings that may change between an interrupted run and its resume.
 _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
@@ -21,6 +22,9 @@ _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "det
 ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto"}
 # train.tokens_per_step='auto' on CUDA: tokens per optimizer step (8 micro-batches of 2,048 tokens)
 AUTO_TOKENS_PER_STEP_CUDA = 16_384
+# train.draft counts as the architecture it resolves to (eagle3.draft.architecture.resolve: the trainer's meta and
+# fingerprint_train hold it resolved); every run before the setting trained the Llama-style draft.
+ADDED_WITH_DEFAULT["draft"] = DraftSettings(architecture="llama").model_dump()
 # Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
 RUNTIME_ONLY = {"compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 
@@ -40,6 +44,10 @@ class TrainConfig(BaseModel):
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw", description="'adamw', or 'muon': torch's Muon on the draft's hidden matrices (weight decay "
         "0.1) and AdamW on lm_head and the norms, as speculators trains (eagle3.draft.optim)."
+    )
+    draft: DraftSettings = Field(
+        default_factory=DraftSettings, description="The draft's architecture and, for the MLA draft, its shapes "
+        "(train.draft.architecture: auto | llama | deepseek_mla; eagle3.draft.architecture)."
     )
     warmup_steps: int = Field(default=50, ge=0, description="Steps of linear warm-up from 0 to learning_rate.")
     min_lr_ratio: float = Field(

@@ -2,7 +2,7 @@
 compute it without them.
 
 Step 0 is causal attention over the step-0 keys. At step j >= 1 a row also sees its own keys of steps 1..j;
-their log-sum-exp enters one attention call over the step-0 keys as a "sink" key (Eagle3Draft._attend).
+their log-sum-exp enters one attention call over the step-0 keys as a "sink" key (ttt_attend).
 Packed samples are kept apart by an [L+1, L+1] mask for SDPA, or, on CUDA in bf16/fp16, by torch's varlen
 flash attention with every sample as its own sequence and its own sink (DocLayout): no mask, no causal
 blocks computed across samples.
@@ -122,6 +122,41 @@ class TTTCache:
     block_values: torch.Tensor | None = None  # [kvh, L, hd]
     own_keys: list[torch.Tensor] = field(default_factory=list)  # per step >= 1: [kvh, L, hd]
     own_values: list[torch.Tensor] = field(default_factory=list)  # per step >= 1: [kvh, L, hd]
+
+
+def ttt_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TTTCache, groups: int) -> torch.Tensor:
+    """One TTT step's attention, shared by every draft architecture (eagle3.draft.model, eagle3.draft.mla).
+
+    q [heads, L, hd], k and v [kvh, L, hd] (after RoPE; heads = kvh * groups; scores are q.k / sqrt(hd), so a
+    draft with another softmax scale multiplies q first) -> [heads, L, hd]; adds k and v to `cache`.
+
+    Step 0 is causal attention over the step-0 keys. At step j >= 1 a row also sees its
+    own keys of steps 1..j (ttt_attention_mask). Those j scores per row are computed
+    directly; their log-sum-exp s_d enters ONE attention call over the step-0 keys as a
+    "sink" key, prepended, whose score for row r is s_d(r) (an extra query dimension holds
+    s_d(r)*sqrt(hd), split into hi + lo so bf16 keeps it exact; the sink key holds 1 there)
+    and whose value is a one-hot extra dimension. The output's extra dimension is then the
+    sink's share p of the softmax, and
+        out = out[:hd] + p * (softmax-weighted mean of the row's own values)
+    is exactly attention under the dense mask, at the cost of plain causal attention (no
+    [L, L*(j+1)] mask; flash kernels on CUDA when the batch is one document).
+    """
+    heads, length, hd = q.shape
+    if cache.block_keys is None:  # step 0
+        cache.block_keys, cache.block_values = k, v
+        return block_attention(q, None, cache, groups)  # [heads, L, hd]
+    cache.own_keys.append(k)
+    cache.own_values.append(v)
+    kvh = k.shape[0]
+    q_groups = q.view(kvh, groups, length, hd)  # [kvh, g, L, hd]
+    own_k = torch.stack(cache.own_keys)[:, :, None]  # [j, kvh, 1, L, hd]
+    own_v = torch.stack(cache.own_values)[:, :, None]  # [j, kvh, 1, L, hd]
+    scores = (q_groups[None].float() * own_k.float()).sum(-1) / math.sqrt(hd)  # [j, kvh, g, L]
+    sink_score = torch.logsumexp(scores, dim=0).reshape(heads, length)  # [heads, L]
+    weights = torch.softmax(scores, dim=0)[..., None]  # [j, kvh, g, L, 1]
+    own_mean = (weights * own_v.float()).sum(0).reshape(heads, length, hd)  # [heads, L, hd]
+    out = block_attention(q, sink_score, cache, groups)  # [heads, L, hd + 1]
+    return out[..., :hd] + out[..., hd:] * own_mean.to(out.dtype)  # [heads, L, hd]
 
 
 def _hi_lo(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

