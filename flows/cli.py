@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--api-url", help="the Prefect server (default: PREFECT_API_URL or the active profile's)")
     serve.add_argument("--log-dir", type=Path, default=Path("runs/serve"), help="where the server and worker logs go")
     gpu = sub.add_parser("gpu-cleanup", help="find and stop processes holding the GPUs, then verify with NVML",
-                         epilog=_docs("several-gpus.md"))
+                         epilog=_docs("getting-started.md", "several-gpus.md"))
     gpu.add_argument("--mode", choices=["own", "match", "all"], default="own")
     gpu.add_argument("--allow-all", action="store_true", help="confirm --mode all")
     gpu.add_argument("--dry-run", action="store_true")

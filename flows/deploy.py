@@ -72,7 +72,7 @@ def ensure_zombie_automation(window_s: int = 2 * HEARTBEAT_SECONDS) -> None:
     """Prefect's own recipe for flow runs whose machine died: a run that sent a heartbeat and then neither
     another one nor a final state within `window_s` is set Crashed by the server. A fanned-out part's
     parent (tasks.parts.run_part) then starts the part again, on a worker that is alive. Needs the
-    workers to send heartbeats: start them with PREFECT_FLOWS_HEARTBEAT_FREQUENCY set (README)."""
+    workers to send heartbeats: start them with PREFECT_FLOWS_HEARTBEAT_FREQUENCY set (docs/several-machines.md)."""
     from datetime import timedelta
 
     from prefect.automations import Automation

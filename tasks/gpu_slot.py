@@ -21,7 +21,7 @@ a run waits:
   file holds (a lease that lived in the memory of a server that has since stopped: the state a
   killed run used to leave behind) is given back, after two looks a few seconds apart agree,
   with one log line. Without that variable (a server of the user's own), lease bookkeeping is
-  the server's: the README says to run it with filesystem lease storage.
+  the server's: docs/prefect.md says to run it with filesystem lease storage.
 
 The lease calls are Prefect's own client methods (what its public `concurrency()` is made of):
 the public one hides the lease id, which the holder note needs, and logs an ERROR line at every
