@@ -11,6 +11,8 @@ renamed into place only when whole.
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from eagle3.capture.data_parallel import Split, extract_with_engines
 from eagle3.capture.extract import FAN_OUT_SETTINGS, ExtractConfig, check_inputs, extract_store, storage_dtype
 from eagle3.capture.regenerate import RegenerateConfig, regenerate
 from eagle3.data import conversations
+from eagle3.data.builtin_targets import default_cache_dir
 from eagle3.data.conversations import DataConfig, DataError
 from eagle3.data.target import (
     HEAD_FILE,
@@ -31,6 +34,7 @@ from eagle3.data.target import (
     target_fingerprint,
 )
 from eagle3.draft.target_head import extract_target_head
+from eagle3.engine import pool as engine_pool
 from eagle3.fingerprint import fingerprint, hash_files
 
 # Bump a stage's version when its output format or meaning changes.
@@ -73,7 +77,8 @@ def _once(load: Callable[[], object]) -> Callable[[], object]:
 
 # -- stage_target ------------------------------------------------------------------------
 # How the target is run, not what it computes: changing them reuses every artifact.
-RUNTIME_TARGET_SETTINGS = {"max_model_len", "kv_cache_gib", "tensor_parallel_size", "data_parallel_size"}
+RUNTIME_TARGET_SETTINGS = {"max_model_len", "kv_cache_gib", "tensor_parallel_size", "data_parallel_size", "keep_warm_s",
+                           "sleep_during_train"}
 
 
 def fingerprint_target(config: TargetConfig) -> str:
@@ -95,13 +100,38 @@ def run_stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str)
     return record
 
 
-def engine_spec(config: TargetConfig, target: StageRecord, load_log: Path) -> vllm_adapter.EngineSpec:
-    info = TargetInfo.read(target.path)
+def engine_spec(config: TargetConfig, target: StageRecord, load_log: Path | None) -> vllm_adapter.EngineSpec:
+    return spec_from_info(config, TargetInfo.read(target.path), load_log)
+
+
+def spec_from_info(config: TargetConfig, info: TargetInfo, load_log: Path | None) -> vllm_adapter.EngineSpec:
+    """The engine a run of `config` loads (or attaches to: `eagle3 engine start` builds the same one)."""
     return vllm_adapter.EngineSpec(
         model_dir=info.model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
         kv_cache_gib=config.kv_cache_gib, tensor_parallel_size=config.tensor_parallel_size,
-        trust_remote_code=config.trust_remote_code, seed=0, load_log=str(load_log),
+        trust_remote_code=config.trust_remote_code, seed=0, load_log=None if load_log is None else str(load_log),
     )
+
+
+def target_engine(config: TargetConfig, target: StageRecord, load_log: Path) -> Callable[[], object]:
+    """The target's vLLM engine, asked for on first use: a warm engine (attached, or started when
+    target.keep_warm_s > 0) or the in-process pool (eagle3.engine.pool); a load or attach is a line of `load_log`."""
+    spec = engine_spec(config, target, load_log)
+    keep = engine_pool.keep_warm_seconds(config.keep_warm_s)
+    fp = TargetInfo.read(target.path).content_fingerprint
+    run_dir = Path(load_log).parent.parent  # <run_dir>/logs/target_loads.jsonl
+    return lambda: engine_pool.acquire(spec, fp, keep, default_cache_dir(), run_dir=run_dir)
+
+
+def _load_hf(info: TargetInfo, config: TargetConfig, load_log: Path) -> object:
+    """The target in transformers (extract.backend 'hf'), its load recorded like an engine's."""
+    from eagle3.capture.hf_source import load_hf_target
+
+    started = time.time()
+    model = load_hf_target(info.model_dir, dtype=config.dtype, trust_remote_code=config.trust_remote_code)
+    engine_pool.record_load(load_log, {"event": "loaded", "backend": "hf", "model": info.model_dir, "pid": os.getpid(),
+                                       "seconds": round(time.time() - started, 2), "time": time.time(), "preflight": None})
+    return model
 
 
 def _tokenizer(target: StageRecord, trust_remote_code: bool):  # noqa: ANN202
@@ -134,9 +164,8 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
         )
     skipped, generated = 0, 0
     if config.enabled:
-        spec = engine_spec(target_config, target, load_log)
         result = regenerate(answered, _tokenizer(target, target_config.trust_remote_code),
-                            lambda: vllm_adapter.acquire(spec), config, target_config.max_model_len, progress=progress,
+                            target_engine(target_config, target, load_log), config, target_config.max_model_len, progress=progress,
                             requests_per_call=REGENERATE_REQUESTS_PER_CALL)
         answered, skipped, generated = result.conversations, result.skipped_too_long, result.generated_tokens
     with building(final) as tmp:
@@ -204,12 +233,9 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     spec = engine_spec(target_config, target, load_log)
     dtype = storage_dtype(config, target_config.dtype)
     if config.backend == "hf":  # small models, reference runs; loaded lazily like the engine
-        from eagle3.capture.hf_source import load_hf_target
-
-        get_engine = _once(lambda: load_hf_target(info.model_dir, dtype=target_config.dtype,
-                                                  trust_remote_code=target_config.trust_remote_code))
+        get_engine = _once(lambda: _load_hf(info, target_config, load_log))
     else:
-        get_engine = lambda: vllm_adapter.acquire(spec)  # noqa: E731 - the pool loads once per process
+        get_engine = target_engine(target_config, target, load_log)  # the pool loads or attaches once per process
     splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
     shards = {split: -(-len(samples) // config.samples_per_shard) for split, samples in splits.items()}
     stats: dict[str, int | float | str] = {}

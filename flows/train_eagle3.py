@@ -31,6 +31,7 @@ from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig, check_against_target
 from eagle3.data.target import TargetInfo
+from eagle3.engine import pool as engine_pool
 from eagle3.ops import incremental, parts
 from eagle3.ops.summary import RunSummary, data_report, loads_since, write_summary
 from flows.report import run_report
@@ -70,6 +71,7 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
     `gpu` slot; returns the target, prepared and extracted records (outcome gets `data`). `config` and
     each of `also_check` (a sweep's points) are checked against the target right after stage_target."""
     run_dir = Path(config.run_dir)
+    engine_pool.check_sleep_during_train(config.target.sleep_during_train)
     with gpu_slot(run_dir, "target"):
         cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
         target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
@@ -85,7 +87,7 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
         outcome["data"] = data_report(regen, prepared)
         extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(config.extract, config.target, prepared, target),
                               config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
-        vllm_adapter.release_all()  # free the target's memory before training
+        engine_pool.release_all(keep_warm=False)  # free the target's memory before training (stops our warm engine)
         cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
     return target, prepared, extracted
 
@@ -155,7 +157,7 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
                           config=config.vocab, prepared=prepared, target=target)
         draft_chain(run, config, target, extracted, vocab, chain)
     finally:
-        vllm_adapter.release_all()
+        engine_pool.release_all(keep_warm=True)  # a failed run leaves its warm engine up for target.keep_warm_s
         summary = RunSummary(stages=list(run.rows), gpu_cleanup=cleanups, target_loads=loads_since(load_log, started),
                              **outcome, **chain.outcome())
         write_summary(run_dir / "summary.json", summary)

@@ -23,7 +23,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import task_run as current_task_run
 from prefect.states import State
 
-from eagle3.capture import vllm_adapter
+from eagle3.engine import pool as engine_pool
 
 # Delays before the 1st and 2nd retry: long enough for a driver or a crashed engine to clean up.
 ENGINE_RETRY_DELAYS = [10, 60]
@@ -91,5 +91,5 @@ def transient_failures() -> Iterator[None]:
         if is_out_of_memory(err):
             _OOM_COUNT[_key()] = _OOM_COUNT.get(_key(), 0) + 1
         if is_transient(err):
-            vllm_adapter.release_all()  # a dead or half-broken engine must not be handed to the retry
+            engine_pool.release_all(keep_warm=True)  # a dead or half-broken engine must not be handed to the retry
         raise

@@ -17,6 +17,7 @@ EAGLE3_ORDER: list[tuple[str, ...]] = [
     ("eagle3.gpu",),
     ("eagle3.data",),
     ("eagle3.capture",),
+    ("eagle3.engine",),
     ("eagle3.draft",),
     ("eagle3.config", "eagle3.stages", "eagle3.draft_stages"),
     ("eagle3.ops",),

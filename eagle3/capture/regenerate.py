@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +32,15 @@ class RegenerateConfig(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (ignored when greedy)")
     seed: int = Field(default=0, description="Sampling seed")
+
+
+@runtime_checkable
+class TokenGenerator(Protocol):
+    """An engine reached elsewhere (a warm engine process, an OpenAI-compatible server): token ids in, token ids out."""
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, top_p: float,
+                     seed: int, on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
+        ...
 
 
 @dataclass(frozen=True)
@@ -75,14 +86,14 @@ def _generate_all(engine: object, prompts: list[list[int]], config: RegenerateCo
                   requests_per_call: int | None) -> list[list[int]]:
     """The engine's answers to `prompts`, in order, `requests_per_call` at a time, reporting after each call."""
     step = requests_per_call or len(prompts)
+    generate = engine.generate_ids if isinstance(engine, TokenGenerator) else partial(vllm_adapter.generate, engine)
     outputs: list[list[int]] = []
     if progress is not None:
         progress(0, len(prompts), 0)  # the engine is loaded: the rate counts from here
     for start in range(0, len(prompts), step):
         finished = None if progress is None else (lambda n, before=len(outputs): progress(before + n, len(prompts), None))
-        outputs += vllm_adapter.generate(engine, prompts[start:start + step], max_new_tokens=config.max_new_tokens,
-                                         temperature=config.temperature, top_p=config.top_p, seed=config.seed,
-                                         on_finished=finished)
+        outputs += generate(prompts[start:start + step], max_new_tokens=config.max_new_tokens,
+                            temperature=config.temperature, top_p=config.top_p, seed=config.seed, on_finished=finished)
         if progress is not None:
             progress(len(outputs), len(prompts), sum(len(t) for t in outputs))
     return outputs

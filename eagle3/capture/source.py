@@ -7,6 +7,7 @@ prompt, the states at the requested layer ids (vLLM's convention, eagle3.capture
 - `VllmSource`: in-process vLLM with a patched inner forward (eagle3.capture.hooks); the production path.
 - `TensorParallelVllmSource` (eagle3.capture.tp_capture): the same capture inside each TP worker process.
 - `HFSource` (eagle3.capture.hf_source): transformers with forward hooks; reference, small targets, benchmark.
+- a `SourceProvider` (a warm engine, eagle3.engine.client): the engine process runs one of the above itself.
 
 `open_source` picks one from `extract.backend` and the engine object the caller loaded.
 """
@@ -71,10 +72,21 @@ class VllmSource:
             self._capture = None
 
 
+@runtime_checkable
+class SourceProvider(Protocol):
+    """An engine that runs the capture itself, elsewhere (a warm engine process, eagle3.engine.client)."""
+
+    def open_source(self, hidden_size: int, batch_tokens: int) -> HiddenStateSource:
+        ...
+
+
 def open_source(backend: Backend, engine: object, *, hidden_size: int, batch_tokens: int) -> HiddenStateSource:
-    """The source for `backend` over `engine` (a vllm.LLM for "vllm", a transformers model for "hf")."""
+    """The source for `backend` over `engine` (a vllm.LLM or a SourceProvider for "vllm", a transformers model for "hf")."""
     if backend == "vllm":
         from eagle3.capture import vllm_adapter
+
+        if isinstance(engine, SourceProvider):
+            return engine.open_source(hidden_size, batch_tokens)
 
         if vllm_adapter.tensor_parallel_size(engine) > 1:
             from eagle3.capture.tp_capture import TensorParallelVllmSource

@@ -92,6 +92,17 @@ class TargetConfig(BaseModel):
     )
     trust_remote_code: bool = Field(default=False, description="Allow the target's own Python code (off unless you trust it)")
     tiny_seed: int = Field(default=0, description="Seed of the builtin:tiny random weights")
+    keep_warm_s: float | None = Field(
+        default=None, ge=0, description="Seconds a warm engine (the target loaded in a process of its own, "
+        "eagle3.engine) waits, idle, for the next run after a run whose regenerate or extract FAILED, so that the same "
+        "command again or Prefect's retry attaches instead of loading; a run that finishes stops it before training. "
+        "None: 1800 on a GPU, 0 on the CPU build (0: the target loads in the run's own process, as before)"
+    )
+    sleep_during_train: bool = Field(
+        default=False, description="GPU only, not yet verified on a GPU: instead of stopping the warm engine before "
+        "training, put it to sleep (vLLM LLM.sleep(level=1): weights to host RAM, needs room there) and wake it "
+        "for the next run. Refused on the CPU build, where vLLM's sleep does nothing"
+    )
 
 
 @dataclass(frozen=True)

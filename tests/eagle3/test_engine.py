@@ -1,0 +1,183 @@
+"""The warm engine on the tiny target (eagle3.engine): what a user would notice of its lifetime and its door.
+
+One engine is loaded for the module and shared; the last tests kill it and load one afresh. The engines
+live in a cache dir of this module's own, so no other test's run can attach to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import pytest
+
+from eagle3.capture import vllm_adapter
+from eagle3.engine import pool
+from eagle3.engine.client import EngineError, EngineGone, WarmEngine
+from eagle3.engine.registry import EngineHome, engine_fingerprint, engines_root, is_live, live_engines, new_key, read_info
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET_FP = "tiny-test-target"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, tiny_target: Path) -> Path:
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_target: Path, cache: Path) -> vllm_adapter.EngineSpec:
+    return vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+                                   tensor_parallel_size=1, trust_remote_code=False, seed=0, load_log=str(cache / "loads.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def warm(spec, cache) -> dict:
+    engine = pool.acquire(spec, TARGET_FP, 300, cache)
+    assert isinstance(engine, WarmEngine)
+    pool.release_all(keep_warm=True)  # detached: the engine waits for the next run
+    yield read_info(EngineHome(engines_root(cache) / engine_fingerprint(spec, TARGET_FP)))
+    for _, info in live_engines(cache):
+        os.kill(int(info["pid"]), signal.SIGKILL)
+
+
+def _answers(engine: object) -> list[list[int]]:
+    return engine.generate_ids([[1, 5, 9, 13], [2, 4]], max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)
+
+
+def _load_events(cache: Path) -> list[str]:
+    lines = (cache / "loads.jsonl").read_text().splitlines()
+    return [json.loads(line).get("event", "loaded") for line in lines]  # an in-process load's line has no event
+
+
+def test_the_next_run_attaches_and_gets_what_an_in_process_engine_gives(warm, spec, cache):
+    engine = pool.acquire(spec, TARGET_FP, 300, cache)
+    try:
+        assert engine.pid == warm["pid"] and _load_events(cache)[-1] == "attached"
+        answers = _answers(engine)
+        states = engine.open_source(hidden_size=64, batch_tokens=1).capture([[1, 5, 9, 13], [2, 4]], [1, 2])
+    finally:
+        pool.release_all(keep_warm=True)
+    local = vllm_adapter.acquire(spec)
+    try:
+        assert answers == vllm_adapter.generate(local, [[1, 5, 9, 13], [2, 4]], max_new_tokens=4, temperature=0.0,
+                                                top_p=1.0, seed=0)
+        from eagle3.capture.source import open_source
+
+        source = open_source("vllm", local, hidden_size=64, batch_tokens=1)
+        expected = source.capture([[1, 5, 9, 13], [2, 4]], [1, 2])
+        source.close()
+    finally:
+        vllm_adapter.release_all()
+    assert [tuple(s.shape) for s in states] == [(4, 2, 64), (2, 2, 64)]
+    assert all((a == b).all() for a, b in zip(states, expected))
+
+
+@pytest.mark.parametrize("change", [{"dtype": "bfloat16"}, {"max_model_len": 128}, {"tensor_parallel_size": 2}])
+def test_an_engine_whose_settings_differ_is_never_attached(warm, spec, cache, monkeypatch, change):
+    import dataclasses
+
+    monkeypatch.setattr(vllm_adapter, "acquire", lambda s: ("loaded in-process", s))
+    other = dataclasses.replace(spec, **change)
+    assert pool.acquire(other, TARGET_FP, 0, cache) == ("loaded in-process", other)
+    assert is_live(warm)
+
+
+def test_the_socket_and_key_are_private_and_refuse_a_client_without_the_key(warm, spec, cache):
+    home = EngineHome(engines_root(cache) / engine_fingerprint(spec, TARGET_FP))
+    assert home.folder.stat().st_mode & 0o777 == 0o700
+    assert Path(warm["socket"]).stat().st_mode & 0o777 == 0o600 and home.key.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(AuthenticationError):
+        Client(warm["socket"], family="AF_UNIX", authkey=b"not the key")
+    bare = Client(warm["socket"], family="AF_UNIX")  # no key at all: the client skips the handshake and just asks
+    bare.send(("hello", {"pid": os.getpid(), "keep_warm_s": 0}))
+    replies = []
+    with pytest.raises(EOFError):
+        while bare.poll(15):
+            replies.append(bare.recv_bytes())
+    assert replies[-1] == b"#FAILURE#" and len(replies) == 2  # the engine's challenge, then its refusal
+    assert _answers(pool.acquire(spec, TARGET_FP, 300, cache))  # still serving
+    pool.release_all(keep_warm=True)
+
+
+def _inet_listeners(pid: int) -> list[str]:
+    """The local addresses of TCP/UDP sockets `pid` listens on (IPv4 and IPv6), from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            listening = fields[3] == "0A" or table.startswith("udp")
+            if fields[9] in inodes and listening:
+                found.append(f"{table} {fields[1]}")
+    return found
+
+
+def test_nothing_listens_on_a_non_loopback_address(warm):
+    loopback = ("0100007F:", "00000000000000000000000001000000:")
+    assert [a for a in _inet_listeners(int(warm["pid"])) if not a.split()[1].startswith(loopback)] == []
+
+
+def test_a_stale_key_is_one_clear_error_not_a_hang(warm, spec, cache):
+    home = EngineHome(engines_root(cache) / engine_fingerprint(spec, TARGET_FP))
+    real = home.key.read_bytes()
+    new_key(home)  # the file no longer holds the engine's key
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=rf"pid {warm['pid']} refused the key .*`eagle3 engine stop"):
+            pool.acquire(spec, TARGET_FP, 300, cache)
+        assert time.monotonic() - started < 30
+    finally:
+        home.key.unlink()
+        home.key.write_bytes(real)
+        home.key.chmod(0o600)
+
+
+def test_a_run_killed_while_attached_leaves_the_engine_serving_the_next(warm, spec, cache):
+    script = (f"from eagle3.engine import pool; from eagle3.capture.vllm_adapter import EngineSpec; from pathlib import Path\n"
+              f"e = pool.acquire(EngineSpec(**{spec.__dict__!r}), {TARGET_FP!r}, 300, Path({str(cache)!r}))\n"
+              "print('attached', flush=True)\n"
+              "while True: e.generate_ids([[1, 2, 3]] * 8, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0)\n")
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert run.stdout.readline().strip() == "attached"
+    time.sleep(0.5)  # mid-request
+    run.kill()
+    run.wait(timeout=30)
+    engine = pool.acquire(spec, TARGET_FP, 300, cache)
+    assert engine.pid == warm["pid"] and _answers(engine)
+    pool.release_all(keep_warm=True)
+
+
+def test_an_engine_killed_mid_request_is_an_error_then_a_fresh_load_with_no_orphan(warm, spec, cache):
+    engine = pool.acquire(spec, TARGET_FP, 300, cache)
+    threading.Timer(1.0, os.kill, (engine.pid, signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(EngineGone, match=f"warm engine pid {engine.pid}"):
+        while True:
+            engine.generate_ids([[1, 2, 3]] * 8, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0)
+    assert time.monotonic() - started < 30
+    pool.release_all(keep_warm=True)
+    assert Path(warm["socket"]).exists()  # the dead engine's socket file and record are left behind
+    fresh = pool.acquire(spec, TARGET_FP, 2, cache)  # keep_warm_s 2: the idle exit below
+    try:
+        assert fresh.pid != warm["pid"] and _load_events(cache)[-1] == "loaded" and _answers(fresh)
+        assert not is_live(warm)
+        strays = subprocess.run(["pgrep", "-f", "eagle3.engine.server"], capture_output=True, text=True).stdout.split()
+        assert str(warm["pid"]) not in strays
+    finally:
+        pool.release_all(keep_warm=True)
+    info = dict(fresh.info)
+    assert pool.wait_gone(info, 60), "the idle engine did not exit after keep_warm_s"
+    assert not Path(info["socket"]).exists() and live_engines(cache) == []
