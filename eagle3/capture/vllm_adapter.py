@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.capture import cpu_kernels
+from eagle3.capture import cpu_kernels, process_threads
 from eagle3.gpu.preflight import target_preflight
 
 if TYPE_CHECKING:
@@ -145,6 +145,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     _tensor_parallel_env(spec)
     vllm = _import_vllm()
     attention_backend = mla_attention_backend(spec.model_dir, spec.dtype, spec.attention_backend)
+    process_threads.remember()  # vLLM changes this process's threading; release_all puts it back
     checked = target_preflight(Path(spec.model_dir), spec.tensor_parallel_size, spec.kv_cache_gib)
     started = time.time()
     llm = vllm.LLM(
@@ -197,6 +198,7 @@ def release_all() -> int:
         import gc
 
         gc.collect()
+    process_threads.restore()  # torch's set_num_threads, thread count, LD_PRELOAD: as before the engine
     return count
 
 
@@ -412,6 +414,7 @@ def load_serving_engine(
         # on an AMX CPU a float32 draft would pick AMX_MLA and refuse its weights
         speculative["attention_backend"] = attention_backend
     target_preflight(Path(model_dir), 1, kv_cache_gib)
+    process_threads.remember()  # put back by shutdown_engine
     per_request = {}
     if speculative is not None and "per_request_spec_decode_metrics" in {f.name for f in fields(vllm.EngineArgs)}:
         per_request["per_request_spec_decode_metrics"] = "summary"  # each request's own acceptance (vLLM >= 0.32)
@@ -485,3 +488,4 @@ def shutdown_engine(llm) -> None:  # noqa: ANN001 - vllm.LLM
     import gc
 
     gc.collect()
+    process_threads.restore()
