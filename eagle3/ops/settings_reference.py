@@ -115,13 +115,12 @@ def _value_at(config: BaseModel, path: str) -> object:
 
 
 def _baselines() -> list[dict]:
-    """Runs to compare against: the tiny preset, and the same with the settings that make others count
-    (extract.too_long=truncate stores up to target.max_model_len). Both with what some values need beside them:
-    an absolute artifact_root (extract.parts > 1), a rendezvous endpoint and a grad_accum that splits over
-    machines (train.nnodes > 1)."""
-    tiny = merge_settings(PRESETS["tiny"], {"artifact_root": "/srv/eagle3-artifacts",
-                                            "train": {"rdzv_endpoint": "node0.cluster:29400", "grad_accum": 8}})
-    return [tiny, _with(tiny, "extract.too_long", "truncate")]
+    """Runs to compare against: the tiny preset (with an absolute artifact_root, which extract.parts > 1 needs),
+    the same with extract.too_long=truncate (which stores up to target.max_model_len), and with what
+    train.nnodes > 1 needs beside it (a rendezvous endpoint and a grad_accum that splits over the machines)."""
+    tiny = merge_settings(PRESETS["tiny"], {"artifact_root": "/srv/eagle3-artifacts"})
+    return [tiny, _with(tiny, "extract.too_long", "truncate"),
+            merge_settings(tiny, {"train": {"rdzv_endpoint": "node0.cluster:29400", "grad_accum": 8}})]
 
 
 def first_rerun(path: str, info: FieldInfo, known: dict[str, list[object]]) -> str | None:
