@@ -141,8 +141,10 @@ def deepseek_rope(c: MLADraftConfig) -> tuple[torch.Tensor, float, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / ((high - low) or 0.001)).clamp(0, 1)  # [r/2]
     extrapolate = 1 - ramp  # 1: the dimension keeps its original frequency
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate  # [r/2]
-    mscale_all_dim = float(p.get("mscale_all_dim") or 0.0)
-    cos_sin_scale = yarn_mscale(factor, float(p.get("mscale") or 1.0)) / yarn_mscale(factor, mscale_all_dim)
+    # vLLM's defaults when the config leaves them out: mscale 1, mscale_all_dim 0
+    mscale = float(p["mscale"]) if p.get("mscale") is not None else 1.0
+    mscale_all_dim = float(p["mscale_all_dim"]) if p.get("mscale_all_dim") is not None else 0.0
+    cos_sin_scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     if p.get("attention_factor") != 1.0:  # vLLM: 'deepseek_yarn' (else 'deepseek_llama_scaling', no softmax mscale)
         softmax_scale *= yarn_mscale(factor, mscale_all_dim) ** 2
     return inv_freq, cos_sin_scale, softmax_scale

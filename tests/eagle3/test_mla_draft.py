@@ -17,6 +17,7 @@ and vllm_adapter.load_serving_engine), so the same assertions hold on every x86-
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,40 @@ def test_the_draft_setting_keeps_the_llama_style_train_fingerprint_and_names_the
     assert fingerprint_train(base, *ups, mla) != today
     assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, draft={"architecture": "deepseek_mla"}), *ups,
                              mla) == fingerprint_train(base, *ups, mla)
+
+
+@pytest.mark.parametrize("rope", [
+    {"factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+     "mscale_all_dim": 1.0},  # Kimi-K2.5's
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+     "mscale_all_dim": 1.0},  # DeepSeek-V3's
+    {"factor": 4.0, "original_max_position_embeddings": 256, "mscale": 0.707},  # vLLM's defaults for the rest
+], ids=["kimi_k25", "deepseek_v3", "defaults"])
+def test_the_mla_drafts_yarn_rope_is_vllms_deepseek_rope_at_the_real_models_settings(rope: dict):
+    """The YaRN of Kimi-K2.5's and DeepSeek-V3's configs: our rotation angles and magnitude against vLLM's own
+    DeepseekScalingRotaryEmbedding cache (what the served draft's rope reads) at positions up to 64k (its cache's length)."""
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    from eagle3.draft.mla import MLADraftConfig, deepseek_rope
+    from eagle3.draft.model import rope_cos_sin
+
+    params = {"rope_type": "yarn", "rope_theta": 50000.0, **rope}
+    config = MLADraftConfig.from_target({**arch_builders.deepseek_v3_config(), "rope_parameters": params},
+                                        DraftSettings(architecture="deepseek_mla"), num_aux_hidden_states=3,
+                                        draft_vocab_size=DRAFT_VOCAB)
+    inv_freq, scale, softmax_scale = deepseek_rope(config)
+    extra = {k: rope[k] for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim") if k in rope}
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):  # a CustomOp: built under a vLLM config
+        theirs = DeepseekScalingRotaryEmbedding(64, 64, rope["original_max_position_embeddings"], 50000.0, False,
+                                                rope["factor"], torch.float32, **extra)
+    positions = torch.tensor([0, 1, 7, 255, 4095, 65535])
+    positions = positions[positions < theirs.cos_sin_cache.shape[0]]  # its cache: original x factor positions
+    cos, sin = rope_cos_sin(positions, inv_freq, scale)  # [P, 64]: halves repeated
+    want_cos, want_sin = theirs.cos_sin_cache[positions].chunk(2, dim=-1)  # [P, 32] each
+    torch.testing.assert_close(cos[:, :32], want_cos, atol=2e-5, rtol=0)
+    torch.testing.assert_close(sin[:, :32], want_sin, atol=2e-5, rtol=0)
+    mscale_all_dim = float(rope.get("mscale_all_dim", 0.0))
+    want_softmax = (32 + 64) ** -0.5 * (0.1 * mscale_all_dim * math.log(rope["factor"]) + 1.0) ** 2
+    assert softmax_scale == pytest.approx(want_softmax, rel=1e-12)
