@@ -24,7 +24,6 @@ from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_t
 from eagle3.draft.served_eval import ServedReport, heldout_prompts, served_acceptance
 from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
-from eagle3.draft.train_config import with_effective_grad_accum
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 from eagle3.stages import _done, stage_fingerprint
 
@@ -56,11 +55,11 @@ def run_vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, r
 
 # -- train -------------------------------------------------------------------------------
 def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageRecord, target: StageRecord) -> str:
-    """Settings that change what is trained, with train.grad_accum as this machine trains it: 'auto' tokens per step
-    on the CPU keep today's fingerprint, on CUDA it names the larger steps."""
-    cuda = torch.cuda.is_available()
-    ranks = resolve_num_processes(config) * config.nnodes
-    settings = with_effective_grad_accum(config, cuda, ranks).model_dump(exclude=RUNTIME_ONLY)
+    """Settings that change what is trained, as written: an 'auto' (train.dtype, train.deterministic,
+    train.tokens_per_step) resolves on the machine that trains, but the fingerprint names the setting, so every
+    machine names the same artifact (a sweep's parent without a GPU computes its points' fingerprints before a GPU
+    worker trains them; a run resumes on another number of GPUs)."""
+    settings = config.model_dump(exclude=RUNTIME_ONLY)
     settings["draft"] = resolve(config.draft, _target_text_config(target)).model_dump()  # auto: what it trains
     for name, default in ADDED_WITH_DEFAULT.items():  # a setting added later, at its default: the old fingerprint
         if settings[name] == default:

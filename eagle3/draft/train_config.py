@@ -67,7 +67,8 @@ class TrainConfig(BaseModel):
         f"'auto': {AUTO_TOKENS_PER_STEP_CUDA:,} on CUDA (steps of one 2,048-token micro-batch leave a GPU waiting on "
         "the optimizer, Muon's the longest), and train.grad_accum as set on the CPU. An explicit train.grad_accum "
         "above 1 wins over 'auto'; a number here needs train.grad_accum left at 1. Part of the stage's fingerprint "
-        "as the grad_accum it gives on the machine that computes the fingerprint."
+        "as written: 'auto' resolves on the machine that trains, as train.dtype does, so every machine names the "
+        "same artifact."
     )
     ttt_steps: int = Field(default=3, ge=1, description="TTT unroll depth: draft tokens trained per position.")
     checkpoint_every: int = Field(

@@ -32,7 +32,10 @@ def test_a_bad_tokens_per_step_names_the_setting():
         TrainConfig(tokens_per_step="all")
 
 
-def test_the_cpu_keeps_its_fingerprint_and_cuda_names_the_larger_steps(monkeypatch):
+def test_the_fingerprint_names_the_setting_as_written_on_every_machine(monkeypatch):
+    """'auto' resolves on the machine that trains (8 micro-batches on CUDA), but the fingerprint holds the setting
+    as written, as it does for train.dtype='auto': a sweep's parent without a GPU names its points' artifacts before
+    a GPU worker trains them, and both must name the same one; the CPU's fingerprint stays as before the setting."""
     from eagle3.draft_stages import fingerprint_train
 
     config = TrainConfig(steps=10, warmup_steps=1)
@@ -41,11 +44,9 @@ def test_the_cpu_keeps_its_fingerprint_and_cuda_names_the_larger_steps(monkeypat
     assert cpu == "c26cabe8f67fc68358c7"  # as test_train pins it, from before train.optimizer and this setting
     assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, tokens_per_step=4096), *UPSTREAM) != cpu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    cuda = fingerprint_train(config, *UPSTREAM)
-    assert cuda != cpu  # another trajectory: 8 micro-batches a step
-    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, grad_accum=8), *UPSTREAM) == cuda  # the same steps
-    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, tokens_per_step=2048), *UPSTREAM) != cuda
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert fingerprint_train(config, *UPSTREAM) == cpu  # the same artifact, whichever machine names it
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, tokens_per_step=16384), *UPSTREAM) != cpu
 
 
 def test_a_run_trains_the_tokens_per_step_asked_for(tmp_path):
