@@ -69,8 +69,14 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
 
 def _target_text_config(target: StageRecord) -> dict | None:
     """The target's (text) config.json for train.draft's auto; None for a record without its artifact (tests)."""
-    info = target.path / INFO_FILE
-    return read_text_config(Path(TargetInfo.read(target.path).model_dir)) if info.is_file() else None
+    if not (target.path / INFO_FILE).is_file():
+        return None
+    model_dir = Path(TargetInfo.read(target.path).model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir / 'config.json'} is gone: the train stage reads the target's config to "
+                                "resolve train.draft.architecture (and trains from that folder); restore the target "
+                                "folder that stage_target read, or point target.model at the target again")
+    return read_text_config(model_dir)
 
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
