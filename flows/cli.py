@@ -5,11 +5,12 @@
     eagle3 sweep (--preset tiny|demo | --config FILE.yaml) --grid train.learning_rate=3e-4,1e-3 [--grid ...]
                  [--set key=value ...] [--run-dir DIR] [--on-workers]
                                              one extraction, one train->export->evaluate per point
-    eagle3 gpu-cleanup [--mode own|match|all] [--allow-all] [--dry-run] [--json] [--run-dir DIR]
+    eagle3 gpu-cleanup [--mode own|match|all] [--allow-all] [--dry-run] [--json] [--run-dir DIR] [--stop-warm-engines]
     eagle3 nightly (--preset tiny|demo | --config FILE.yaml) [--incoming DIR] [--registry DIR] [--set key=value ...]
     eagle3 deploy [--timezone TZ] [--cron CRON] [--incoming DIR] [--registry DIR]
     eagle3 serve [--port 4200] [--api-url URL] [deploy options]
     eagle3 train-node --spec SPEC.json --node-rank R   join, from another machine, a train stage with train.nnodes > 1
+    eagle3 engine start|list|stop            keep the target loaded in a warm engine (flows/engine_cli.py)
 
 `run` and `nightly` print one line per stage (stage, state, seconds, artifact), a progress bar
 for the long stages, then the result table, write <run-dir>/summary.json and exit non-zero when
@@ -28,6 +29,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from flows import engine_cli
 from flows.local_server import ServerStartError
 from tasks import console
 
@@ -100,10 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     gpu.add_argument("--dry-run", action="store_true")
     gpu.add_argument("--json", action="store_true", help="print the report as JSON")
     gpu.add_argument("--run-dir", default=".", help="run folder whose own processes mode 'own' may stop")
+    gpu.add_argument("--stop-warm-engines", action="store_true",
+                     help="also stop live warm engines (left alone otherwise: `eagle3 engine stop` stops them too)")
     node = sub.add_parser("train-node", help="run one more machine of a training with train.nnodes > 1 (the train "
                           "stage on node 0 prints this command while it waits)", epilog=_docs("several-machines.md"))
     node.add_argument("--spec", type=Path, required=True, help="the launch spec node 0 wrote, on the shared folder")
     node.add_argument("--node-rank", type=int, required=True, help="this machine's node: 1 .. train.nnodes-1")
+    engine_cli.add_parser(sub, _docs)
     return parser
 
 
@@ -342,11 +347,15 @@ def _gpu_cleanup(args: argparse.Namespace) -> int:
     from eagle3.gpu.cleanup import GpuCleanupConfig, GpuCleanupError, cleanup_gpus, format_report_table
 
     try:
-        config = GpuCleanupConfig(mode=args.mode, allow_all=args.allow_all, dry_run=args.dry_run)
+        config = GpuCleanupConfig(mode=args.mode, allow_all=args.allow_all, dry_run=args.dry_run,
+                                  stop_warm_engines=args.stop_warm_engines)
     except ValidationError as err:
         return _fail(format_validation_error(err), 2)
     try:
-        report = cleanup_gpus(config, Path(args.run_dir))
+        from eagle3.data.builtin_targets import default_cache_dir
+        from eagle3.engine.registry import in_use_pids
+
+        report = cleanup_gpus(config, Path(args.run_dir), warm=in_use_pids(default_cache_dir()))
     except GpuCleanupError as err:
         return _fail(str(err))
     print(json.dumps(report.to_dict(), indent=1) if args.json else format_report_table(report))
@@ -376,6 +385,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _deploy(args)
     if args.command == "train-node":
         return _train_node(args)
+    if args.command == "engine":
+        return engine_cli.run(args, _fail)
     return _gpu_cleanup(args)
 
 

@@ -63,3 +63,27 @@ def test_a_failed_extract_leaves_a_warm_engine_and_the_same_command_attaches(tmp
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert _loads(uninterrupted)[0]["pid"] != engine["pid"] and live_engines(Path(env["EAGLE3_CACHE_DIR"])) == []
     assert shard_hashes(run_dir) == shard_hashes(uninterrupted) and len(shard_hashes(run_dir)) == 7
+
+
+def test_engine_start_list_stop_and_a_run_attaches_without_stopping_a_users_engine(tmp_path, env):
+    cache = Path(env["EAGLE3_CACHE_DIR"])
+    started = run_cli(["engine", "start", "--preset", "tiny", "--keep-warm-s", "300"], env)
+    assert started.returncode == 0 and " loaded in " in started.stdout, started.stdout + started.stderr[-2000:]
+    fingerprint, pid = started.stdout.split()[1], int(started.stdout.split()[3].rstrip(":"))
+    again = run_cli(["engine", "start", "--preset", "tiny"], env)
+    assert f"engine {fingerprint} pid {pid}: " in again.stdout and "already up" in again.stdout
+    (listed,) = json.loads(run_cli(["engine", "list", "--json"], env).stdout)
+    assert (listed["pid"], listed["owner"], listed["fingerprint"]) == (pid, "user", fingerprint)
+
+    run_dir = tmp_path / "run"
+    done = _run(run_dir, env)  # target.keep_warm_s at its CPU default 0: a live engine is attached all the same
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (attached,) = _loads(run_dir)
+    assert attached["event"] == "attached" and attached["engine_pid"] == pid and attached["engine"] == fingerprint
+    assert [info["pid"] for _, info in live_engines(cache)] == [pid]  # a user's engine outlives the run
+
+    stopped = run_cli(["engine", "stop"], env)
+    assert stopped.returncode == 0 and f"engine {fingerprint} pid {pid}: stopped" in stopped.stdout, stopped.stdout
+    assert live_engines(cache) == [] and "no warm engine" in run_cli(["engine", "list"], env).stdout
+    unknown = run_cli(["engine", "stop", "0123abc"], env)
+    assert unknown.returncode == 1 and unknown.stderr.startswith("error: no live warm engine matches 0123abc")

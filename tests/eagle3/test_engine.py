@@ -108,6 +108,23 @@ def test_the_socket_and_key_are_private_and_refuse_a_client_without_the_key(warm
     pool.release_all(keep_warm=True)
 
 
+def test_two_runs_attached_at_once_take_turns_and_both_get_their_answers(warm, spec, cache):
+    from eagle3.engine.client import connect
+
+    home = EngineHome(engines_root(cache) / engine_fingerprint(spec, TARGET_FP))
+    runs = [connect(home, warm) for _ in range(2)]
+    alone = _answers(runs[0])
+    results: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda i=i: results.update({i: _answers(runs[i])})) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for run in runs:
+        run.release(stop=False)
+    assert results == {0: alone, 1: alone}
+
+
 def _inet_listeners(pid: int) -> list[str]:
     """The local addresses of TCP/UDP sockets `pid` listens on (IPv4 and IPv6), from /proc."""
     inodes = set()
