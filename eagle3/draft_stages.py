@@ -68,7 +68,12 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
 
 
 def _target_text_config(target: StageRecord) -> dict | None:
-    """The target's (text) config.json for train.draft's auto; None for a record without its artifact (tests)."""
+    """What train.draft's auto reads of the target (its model_type and kv_lora_rank): from the record's stats, which
+    travel with it to every machine that names the train artifact; a record from before those stats, from its
+    target_info.json and the target's config.json here; None for a record without its artifact (tests)."""
+    if "kv_lora_rank" in target.stats:
+        rank = int(target.stats["kv_lora_rank"])
+        return {"model_type": str(target.stats.get("model_type", "")), "kv_lora_rank": rank or None}
     if not (target.path / INFO_FILE).is_file():
         return None
     model_dir = Path(TargetInfo.read(target.path).model_dir)

@@ -120,6 +120,10 @@ class GpuCleanupConfig(BaseModel):
     require_gpus: bool = Field(
         False, description="Fail when there is no NVIDIA driver/GPU; False lets CPU runs go on."
     )
+    stop_warm_engines: bool = Field(
+        False, description="Also stop live warm engines (eagle3.engine: the target kept loaded for the runs that "
+        "attach to it), in any mode; False: they are ours and in use, and left alone (`eagle3 engine stop` stops them).",
+    )
 
     @field_validator("match_patterns")
     @classmethod
@@ -210,10 +214,16 @@ def decide(
     config: GpuCleanupConfig,
     own: dict[int, OwnProcess],
     protected: dict[int, str],
+    warm: dict[int, str] | None = None,
 ) -> tuple[bool, str]:
-    """(may stop it?, why) for one holder under the policy."""
+    """(may stop it?, why) for one holder under the policy. `warm`: pids of live warm engines (and their
+    workers) with why they are left alone (eagle3.engine.registry.in_use_pids)."""
     if holder.pid in protected:
         return False, f"protected: {protected[holder.pid]}"
+    if warm and holder.pid in warm:
+        if config.stop_warm_engines:
+            return True, "a live warm engine of this pipeline (stop_warm_engines=True)"
+        return False, warm[holder.pid]
     if holder.start_ticks is None or not holder.device_files:
         return False, ("listed by NVML only, holds no device file here (may be another "
                        "container's pid): left alone")
@@ -324,7 +334,7 @@ def stop_processes(
 
 
 def _busy_message(after: tuple[GpuMemory, ...], remaining: tuple[GpuHolder, ...],
-                  config: GpuCleanupConfig) -> str:
+                  config: GpuCleanupConfig, warm: dict[int, str]) -> str:
     gpus = "; ".join(f"GPU {g.index}: {g.used_mib} MiB used > threshold {g.threshold_mib} MiB"
                      for g in after if g.over_threshold)
     holders = "; ".join(
@@ -334,16 +344,17 @@ def _busy_message(after: tuple[GpuMemory, ...], remaining: tuple[GpuHolder, ...]
     return (f"GPU memory still in use after {config.verify_timeout_seconds:g}s "
             f"(verify_timeout_seconds): {gpus}. Holders: {holders}. Stop them, or set "
             "mode='match' (match_patterns) or mode='all' with allow_all=True, or raise "
-            "threshold_mib.")
+            "threshold_mib." + "".join(f" pid {h.pid} is {warm[h.pid]}." for h in remaining if h.pid in warm))
 
 
 def cleanup_gpus(
-    config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None = None
+    config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None = None, warm: dict[int, str] | None = None
 ) -> CleanupReport:
     """Find GPU holders, stop those the policy allows, verify the memory is free.
 
     nvml None: the real driver (pynvml). Raises GpuBusyError when memory stays above the
-    threshold, GpuDriverError when require_gpus and there is no driver or GPU.
+    threshold, GpuDriverError when require_gpus and there is no driver or GPU. `warm`: the pids of
+    live warm engines, left alone unless config.stop_warm_engines (see decide).
     """
     opened = None
     driver_note = ""
@@ -356,14 +367,14 @@ def cleanup_gpus(
                                      "GPUs; set require_gpus=False to run on the CPU") from exc
             driver_note = str(exc)
     try:
-        return _cleanup(config, Path(run_dir), nvml, driver_note)
+        return _cleanup(config, Path(run_dir), nvml, driver_note, warm or {})
     finally:
         if opened is not None:
             opened.close()
 
 
 def _cleanup(config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None,
-             driver_note: str) -> CleanupReport:
+             driver_note: str, warm: dict[int, str]) -> CleanupReport:
     before: tuple[GpuMemory, ...] = ()
     if nvml is not None:
         before = memory_snapshot(nvml)
@@ -378,7 +389,7 @@ def _cleanup(config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None,
     own, protected = load_own_processes(run_dir), protected_pids()
     targets, actions = [], []
     for holder in holders:
-        allowed, reason = decide(holder, config, own, protected)
+        allowed, reason = decide(holder, config, own, protected, warm)
         if not allowed:
             actions.append(ProcessAction(holder.pid, holder.command, "skipped-by-policy", reason))
         elif config.dry_run:
@@ -407,5 +418,5 @@ def _cleanup(config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None,
         # This process holds /dev/nvidia* through NVML itself; name it only if it uses memory.
         remaining = tuple(h for h in discover_holders(config.device_glob, config.holder_scan, nvml)
                           if h.pid != os.getpid() or h.gpus)
-        raise GpuBusyError(_busy_message(after, remaining, config), report, remaining)
+        raise GpuBusyError(_busy_message(after, remaining, config, warm), report, remaining)
     return report

@@ -259,6 +259,26 @@ def test_mode_own_stops_registered_processes_and_leaves_strangers_alone(spawn, d
     assert not alive(ours.pid, ours.start_ticks)
 
 
+def test_mode_own_leaves_a_live_warm_engine_unless_asked_and_stops_a_dead_ones_leftovers(spawn, devices, tmp_path):
+    import socket
+
+    from eagle3.engine.registry import home_for, in_use_pids, write_info
+
+    engine, leftover = spawn.holder(devices[0]), spawn.holder(devices[0])
+    for proc in (engine, leftover):
+        register_own_process(tmp_path, proc.pid)  # the runs that started them recorded them as their own
+    home = home_for(tmp_path / "cache", "f" * 20)
+    write_info(home, {"pid": engine.pid, "start_ticks": engine.start_ticks, "host": socket.gethostname(), "ready": True,
+                      "spec": {"model_dir": "m"}, "fingerprint": "f" * 20})
+    warm = in_use_pids(tmp_path / "cache")  # `leftover` is no live engine's: a dead engine's worker, say
+    report = cleanup_gpus(config(devices), tmp_path, nvml=FakeNvml([80_000]), warm=warm)
+    assert outcomes(report) == {engine.pid: "skipped-by-policy", leftover.pid: "terminated"}
+    assert "live warm engine" in reasons(report)[engine.pid] and "eagle3 engine stop" in reasons(report)[engine.pid]
+    assert alive(engine.pid, engine.start_ticks)
+    report = cleanup_gpus(config(devices, stop_warm_engines=True), tmp_path, nvml=FakeNvml([80_000]), warm=warm)
+    assert outcomes(report) == {engine.pid: "terminated"} and not alive(engine.pid, engine.start_ticks)
+
+
 def test_a_reused_pid_is_never_taken_for_ours(spawn, devices, tmp_path):
     proc = spawn.holder(devices[0])
     register_own_process(tmp_path, proc.pid)
