@@ -33,6 +33,7 @@ from eagle3.data.target import (
     resolve_model_dir,
     target_fingerprint,
 )
+from eagle3.draft.architecture import read_text_config
 from eagle3.draft.target_head import extract_target_head
 from eagle3.engine import pool as engine_pool
 from eagle3.fingerprint import fingerprint, hash_files
@@ -94,8 +95,10 @@ def run_stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str)
     with building(final) as tmp:
         (tmp / INFO_FILE).write_text(info.to_json())
         extract_target_head(model_dir, tmp / HEAD_FILE)
+        text = read_text_config(model_dir)  # model_type and kv_lora_rank travel with the record: train.draft's auto
         stats = {"model_dir": info.model_dir, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-                 "vocab_size": info.vocab_size, "aux_layer_ids": json.dumps(info.aux_layer_ids)}
+                 "vocab_size": info.vocab_size, "aux_layer_ids": json.dumps(info.aux_layer_ids),
+                 "model_type": str(text.get("model_type", "")), "kv_lora_rank": int(text.get("kv_lora_rank") or 0)}
         record = mark_complete(tmp, StageRecord(stage="stage_target", uri=str(final), fingerprint=fp, stats=stats))
     return record
 

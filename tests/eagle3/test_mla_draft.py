@@ -212,13 +212,23 @@ def test_the_draft_setting_keeps_the_llama_style_train_fingerprint_and_names_the
     ups = [StageRecord(stage=n, uri="/x", fingerprint=n) for n in ("extract", "vocab")]
     base = TrainConfig(steps=10, warmup_steps=1)
     llama = target_record(arch_builders.llama(tmp_path / "llama"), "llama")
-    mla = target_record(arch_builders.build_deepseek_v3(tmp_path / "dsv3", num_layers=LAYERS), "dsv3")
+    from eagle3.stages import run_stage_target
+
+    dsv3 = arch_builders.build_deepseek_v3(tmp_path / "dsv3", num_layers=LAYERS)
+    mla = run_stage_target(TargetConfig(model=str(dsv3), aux_layer_ids=AUX), tmp_path / "cache", tmp_path / "root",
+                           "stage_target")  # the stage itself: its record carries the target's kv_lora_rank
+    assert (mla.stats["model_type"], mla.stats["kv_lora_rank"]) == ("deepseek_v3", 512)
     today = fingerprint_train(base, *ups, StageRecord(stage="stage_target", uri="/x", fingerprint="stage_target"))
     assert fingerprint_train(base, *ups, llama) == today
     assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, draft={"architecture": "llama"}), *ups, llama) == today
     assert fingerprint_train(base, *ups, mla) != today
     assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, draft={"architecture": "deepseek_mla"}), *ups,
                              mla) == fingerprint_train(base, *ups, mla)
+    # the record's stats (stage_target writes them) name the same artifacts on a machine without the target folder
+    for stats, want in (({"model_type": "deepseek_v3", "kv_lora_rank": 512}, fingerprint_train(base, *ups, mla)),
+                        ({"model_type": "llama", "kv_lora_rank": 0}, today)):
+        elsewhere = StageRecord(stage="stage_target", uri="/elsewhere", fingerprint="stage_target", stats=stats)
+        assert fingerprint_train(base, *ups, elsewhere) == want
 
 
 @pytest.mark.parametrize("rope", [
