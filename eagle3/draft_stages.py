@@ -118,6 +118,8 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         "last_checkpoint": str(Path(result.checkpoint).relative_to(final)),
         "checkpoints_evaluated": len(result.evals),
         "best_acceptance_length": round(best["acceptance_length"], 4) if best else -1.0,
+        "chosen_walk": round(best["walk"], 4) if best and "walk" in best else -1.0,
+        "select": config.select,
         "init_from": str(init_from) if init_from is not None else "",
         "processes": processes,
         "nnodes": config.nnodes,
@@ -201,7 +203,7 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                                  "served_num_drafts": report.served_num_drafts},
                    "served": served.to_dict() if served is not None else None, "plots": plots}
         atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
-        atomic_write_text(tmp / "acceptance.md", _markdown(report, served, plots))
+        atomic_write_text(tmp / "acceptance.md", _markdown(report, served, plots, _checkpoint_table(exported)))
         stats = {"acceptance_length": round(report.acceptance_length, 4), "num_drafts": report.num_drafts,
                  "per_position": json.dumps([round(p, 4) for p in report.per_position])}
         if served is not None:
@@ -236,23 +238,45 @@ class _EvalProgress:
             self.progress(done, self.total, tokens)
 
 
+def _train_logs(exported: StageRecord) -> tuple[list[dict], list[dict], str]:
+    """The exported draft's training: its losses.jsonl and evals.jsonl entries, and the checkpoint it was taken from."""
+    train_dir = Path(str(exported.stats.get("train_dir", "")))
+    if not str(train_dir) or not (train_dir / LOSSES).is_file():
+        return [], [], ""
+    entries = [json.loads(line) for line in (train_dir / LOSSES).read_text().splitlines() if line.strip()]
+    evals = [json.loads(line) for line in (train_dir / EVALS).read_text().splitlines() if line.strip()] \
+        if (train_dir / EVALS).is_file() else []
+    return entries, evals, Path(str(exported.stats.get("checkpoint", ""))).name
+
+
 def _plots(out: Path, exported: StageRecord, report: AcceptanceReport, served: ServedReport | None) -> list[str]:
     """PNG plots into `out`: acceptance by position, and the training loss when its log is found."""
     made = [plot_acceptance(report.per_position, served.per_position if served else None, out / ACCEPTANCE_PNG).name]
-    train_dir = Path(str(exported.stats.get("train_dir", "")))
-    losses = train_dir / LOSSES if str(train_dir) else None
-    if losses is not None and losses.is_file():
-        entries = [json.loads(line) for line in losses.read_text().splitlines() if line.strip()]
-        evals = [json.loads(line) for line in (train_dir / EVALS).read_text().splitlines() if line.strip()] \
-            if (train_dir / EVALS).is_file() else []
-        if entries:
-            made.append(plot_training_loss(entries, evals, out / LOSS_PNG).name)
+    entries, evals, chosen = _train_logs(exported)
+    if entries:
+        made.append(plot_training_loss(entries, evals, out / LOSS_PNG, chosen=chosen).name)
     return made
 
 
-def _markdown(report: AcceptanceReport, served: ServedReport | None, plots: list[str]) -> str:
+def _checkpoint_table(exported: StageRecord) -> str:
+    """Each checkpoint's held-out figures, and which one the export took (train.select)."""
+    _, evals, chosen = _train_logs(exported)
+    if not evals:
+        return ""
+    lines = ["## (c) Checkpoints\n", "Every checkpoint scored on the held-out split; the export took the one marked "
+             "(train.select: 'best' takes the highest walk, 'last' the last).\n",
+             "| checkpoint | step | simulated | walk | exported |", "|---|---:|---:|---:|---|"]
+    for e in evals:
+        walk = f"{e['walk']:.3f}" if "walk" in e else ""
+        lines.append(f"| {e['checkpoint']} | {e['step']} | {e['acceptance_length']:.3f} | {walk} | "
+                     f"{'**yes**' if e['checkpoint'] == chosen else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _markdown(report: AcceptanceReport, served: ServedReport | None, plots: list[str], checkpoints: str = "") -> str:
     parts = ["# Acceptance\n", "## (a) Simulated on held-out hidden states\n", report.to_markdown()]
     parts += ["## (b) Served by vLLM (speculative decoding)\n",
               served.to_markdown() if served is not None else "Not run (evaluate.served is off).\n"]
+    parts += [checkpoints] if checkpoints else []
     parts += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})\n" for name in plots]
     return "\n".join(parts)

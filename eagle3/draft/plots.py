@@ -32,9 +32,10 @@ def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
     return path
 
 
-def plot_training_loss(entries: list[dict], evals: list[dict], path: Path) -> Path:
+def plot_training_loss(entries: list[dict], evals: list[dict], path: Path, chosen: str = "") -> Path:
     """Loss per step (total and per TTT step) from losses.jsonl entries; held-out acceptance of
-    each checkpoint (evals.jsonl) on a second axis when there is any."""
+    each checkpoint (evals.jsonl: simulated and the walk) on a second axis when there is any, the
+    `chosen` checkpoint (the one exported) starred."""
     if not entries:
         raise ValueError("no losses.jsonl entries to plot; was the train stage run?")
     plt = _pyplot()
@@ -51,7 +52,15 @@ def plot_training_loss(entries: list[dict], evals: list[dict], path: Path) -> Pa
     if evals:
         right = ax.twinx()
         right.plot([e["step"] for e in evals], [e["acceptance_length"] for e in evals], "o--", color="tab:red",
-                   label="held-out acceptance length (checkpoints)")
+                   label="held-out acceptance, every position (checkpoints)")
+        walked = [e for e in evals if "walk" in e]
+        if walked:
+            right.plot([e["step"] for e in walked], [e["walk"] for e in walked], "s-", color="tab:purple",
+                       label="held-out walk (served positions)")
+        picked = [e for e in evals if e.get("checkpoint") == chosen]
+        if picked:
+            right.plot([picked[0]["step"]], [picked[0].get("walk", picked[0]["acceptance_length"])], "*",
+                       color="gold", markeredgecolor="black", markersize=16, label="exported checkpoint")
         right.set_ylabel("simulated acceptance length")
         more = right.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]

@@ -13,9 +13,11 @@ Warm start: `init_from` (an exported draft folder, e.g. the draft in service) re
 fresh initial weights; its shape and vocabulary mapping must be this run's. A resumed run
 takes its checkpoint's weights, whatever `init_from` says.
 
-Checkpoints are scored by simulated acceptance on the held-out store (when given), logged
-to evals.jsonl; the best one is kept through pruning and named in the result: the export
-takes it, not the last one (acceptance can peak mid-training and then fall).
+Checkpoints are scored on the held-out store (when given), logged to evals.jsonl: simulated
+acceptance at every position, and the walk (eagle3.draft.evaluate: the positions a served greedy
+run drafts at, what vLLM's counters measure). The best by the walk is kept through pruning and
+named in the result: with train.select='best' (the default) the export takes it, not the last one
+(acceptance can peak mid-training, or fall after a bad step).
 
 Data parallel (torchrun): see eagle3.draft.ddp; rank 0 writes checkpoints and logs.
 """
@@ -305,12 +307,15 @@ def _evaluate(run: _Run, heldout: Path, head: TargetHead) -> dict:
     report = simulate_acceptance((model, run.mapping), heldout, head, run.config.num_draft_tokens_eval,
                                  greedy_cache=run.greedy_cache, verify=False)  # verified once, in _loop
     return {"step": run.step, "checkpoint": checkpoint_name(run.step), "acceptance_length": report.acceptance_length,
-            "per_position": report.per_position, "num_drafts": report.num_drafts}
+            "per_position": report.per_position, "num_drafts": report.num_drafts,
+            "walk": report.served_acceptance_length}
 
 
 def best_eval(evals: list[dict]) -> dict | None:
-    """The entry with the highest acceptance length (the later one on a tie)."""
-    return max(reversed(evals), key=lambda e: e["acceptance_length"], default=None)
+    """The entry with the highest walk (the later one on a tie); by simulated acceptance when an entry has no walk
+    (evals.jsonl written before the walk was logged)."""
+    key = "walk" if all("walk" in e for e in evals) else "acceptance_length"
+    return max(reversed(evals), key=lambda e: e[key], default=None)
 
 
 def _read_jsonl(path: Path, up_to: int) -> list[dict]:
@@ -414,7 +419,7 @@ def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[[int
             stream.close()
     ddp.barrier(run.ctx)
     evals = _read_jsonl(out_dir / EVALS, run.step)  # every process: rank 0 wrote them
-    best = best_eval(evals)
+    best = best_eval(evals) if config.select == "best" else None
     return TrainResult(
         checkpoint=last, steps_done=run.step, losses=[e["loss"] for e in history], tokens_seen=run.tokens_seen,
         seconds=0.0, resumed_from_step=resumed, evals=evals,

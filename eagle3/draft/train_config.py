@@ -16,10 +16,10 @@ from eagle3.draft.architecture import DraftSettings
 
 # Settings that may change between an interrupted run and its resume.
 _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
-                      "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
+                      "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout", "select"}
 # Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
 # so an upgrade does not retrain drafts whose settings did not change.
-ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto"}
+ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto", "select": "best"}
 # train.tokens_per_step='auto' on CUDA: tokens per optimizer step (8 micro-batches of 2,048 tokens)
 AUTO_TOKENS_PER_STEP_CUDA = 16_384
 # train.draft counts as the architecture it resolves to (eagle3.draft.architecture.resolve: the trainer's meta and
@@ -44,6 +44,12 @@ class TrainConfig(BaseModel):
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw", description="'adamw', or 'muon': torch's Muon on the draft's hidden matrices (weight decay "
         "0.1) and AdamW on lm_head and the norms, as speculators trains (eagle3.draft.optim)."
+    )
+    select: Literal["best", "last"] = Field(
+        default="best", description="The checkpoint the export takes: 'best', the one with the highest walk on the "
+        "held-out split (the simulated acceptance at the positions a served greedy run drafts at, within 0.03 of "
+        "vLLM's served figure wherever both ran; acceptance can peak mid-training, or fall on a bad step), or "
+        "'last'. Every checkpoint is scored either way (evals.jsonl); with no held-out split, the last."
     )
     draft: DraftSettings = Field(
         default_factory=DraftSettings, description="The draft's architecture and, for the MLA draft, its shapes "

@@ -155,6 +155,21 @@ def test_best_eval_prefers_the_later_checkpoint_on_a_tie():
     assert best_eval(evals)["step"] == 12 and best_eval([]) is None
 
 
+def test_the_best_checkpoint_is_the_best_walk_not_the_best_score_at_every_position():
+    from eagle3.draft.train import best_eval
+
+    evals = [{"step": 4, "acceptance_length": 1.9, "walk": 1.6}, {"step": 8, "acceptance_length": 1.8, "walk": 1.7},
+             {"step": 12, "acceptance_length": 1.7, "walk": 1.5}]
+    assert best_eval(evals)["step"] == 8
+
+
+def test_select_last_exports_the_last_checkpoint_though_every_one_is_scored(tmp_path):
+    world = tiny_world()
+    result = _train(tmp_path / "run", heldout_store_dir=world.heldout_store, select="last")
+    assert [e["step"] for e in result.evals] == [4, 8, 12] and all("walk" in e for e in result.evals)
+    assert result.best_checkpoint == result.checkpoint == tmp_path / "run" / "checkpoints" / "step-000012"
+
+
 def test_resume_keeps_the_held_out_scores_and_scores_what_is_missing(tmp_path):
     world = tiny_world()
     straight = _train(tmp_path / "straight", heldout_store_dir=world.heldout_store)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.artifacts import read_complete
 from eagle3.config import build_config
 
 UPSTREAM = ["stage_target", "regenerate", "prepare_data", "extract"]
@@ -71,6 +72,30 @@ def test_changing_the_draft_vocab_reruns_only_downstream(first_run):
     assert {s: states[s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Cached")
     assert {s: states[s] for s in DRAFT_SIDE} == dict.fromkeys(DRAFT_SIDE, "Completed")
     assert _loads(Path(config.run_dir)) == 1
+
+
+def test_the_export_takes_the_checkpoint_with_the_best_walk_not_a_spoiled_last_one(first_run, monkeypatch):
+    """train.select='best' (the default): four checkpoints, the last one spoiled on purpose by a learning-rate spike
+    over its last steps. The exported draft is the checkpoint with the highest held-out walk, not the last; the
+    report lists every checkpoint and marks the one exported; the same run again is all Cached."""
+    from eagle3.draft import train as trainer
+    from flows.train_eagle3 import train_eagle3
+
+    config, _ = first_run
+    spoiled = config.model_copy(update={"train": config.train.model_copy(update={"steps": 40, "checkpoint_every": 10})})
+    normal_lr = trainer.lr_at
+    monkeypatch.setattr(trainer, "lr_at", lambda step, cfg: 3.0 if step >= 32 else normal_lr(step, cfg))
+    summary = train_eagle3(spoiled)
+    train_dir = Path(next(r.artifact for r in summary.stages if r.name == "train"))
+    evals = [json.loads(line) for line in (train_dir / "evals.jsonl").read_text().splitlines()]
+    assert [e["checkpoint"] for e in evals] == ["step-000010", "step-000020", "step-000030", "step-000040"]
+    best = max(reversed(evals), key=lambda e: e["walk"])
+    assert evals[-1]["walk"] < best["walk"], evals  # the spike spoiled the last checkpoint
+    exported = read_complete(Path(summary.export_dir)).stats
+    assert Path(exported["checkpoint"]).name == best["checkpoint"] != "step-000040"
+    report = (Path(summary.evaluation) / "acceptance.md").read_text()
+    assert f"| {best['checkpoint']} | {best['step']} |" in report and report.count("**yes**") == 1
+    assert set(_states(train_eagle3(spoiled)).values()) == {"Cached"}
 
 
 def test_a_deleted_artifact_file_is_recomputed_not_handed_back(first_run):
