@@ -133,6 +133,19 @@ def fp8_error(bf16_root: Path, fp8_root: Path, count: int) -> tuple[float, float
     return (num / den) ** 0.5, float(rel.mean()), float(rel.max())
 
 
+def profile_extract(model, samples, args, threads: int) -> None:  # noqa: ANN001
+    """Where one extraction's time goes: the top operators by self CUDA time and by self CPU time (the main
+    thread's and the writer threads' torch calls; sha256 and fsync are not torch operators and show as gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        seconds, _ = run_extract(model, samples, args.out_dir / "profiled", args, "bfloat16", threads)
+    print(f"profiled extraction: {len(samples) * args.seq / seconds:,.0f} tokens/s (profiler on)", flush=True)
+    for key in (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
+        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=50), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU: a smoke check of the script")
@@ -143,6 +156,8 @@ def main() -> None:
     parser.add_argument("--max-pending", type=int, default=4, help="bounded queue: shards waiting for a writer")
     parser.add_argument("--samples-per-shard", type=int, default=2)
     parser.add_argument("--disk-gib", type=float, default=4.0, help="GiB written to measure the disk")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the table, profile one extraction of 4 batches (torch.profiler, CPU and CUDA)")
     parser.add_argument("--out-dir", type=Path, default=Path(".cache/extract-bench"), help="on the local disk")
     args = parser.parse_args()
     if args.tiny:
@@ -179,6 +194,8 @@ def main() -> None:
     seconds, size = run_extract(model, samples, args.out_dir / "fp8", args, "float8_e4m3", threads_list[-1])
     rows.append(("float8_e4m3", threads_list[-1], total / seconds, size / total, seconds))
     err = fp8_error(args.out_dir / "bf16", args.out_dir / "fp8", count=4)
+    if args.profile:
+        profile_extract(model, samples[: 4 * args.batch], args, threads_list[0])
     shutil.rmtree(args.out_dir, ignore_errors=True)
 
     print(f"\n{total:,} tokens per extraction ({args.batches} batches of {args.batch} x {args.seq}); "

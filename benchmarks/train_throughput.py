@@ -25,6 +25,7 @@ MFU = FLOPs/s over the measured bf16 matrix rate of this card (printed), and ove
 
     python benchmarks/train_throughput.py            # GPU, 8B shape
     python benchmarks/train_throughput.py --tiny     # CPU smoke check (seconds)
+    python benchmarks/train_throughput.py --compare --accum 8   # anchor, defaults, optimizers, speculators
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from eagle3.draft.loss import batch_loss, fused_kl_loss  # noqa: E402
 from eagle3.draft.model import DraftConfig, Eagle3Draft, rope_cos_sin  # noqa: E402
 from eagle3.draft.target_head import TargetHead, read_target_config  # noqa: E402
 from eagle3.draft.train import TrainConfig, train_draft  # noqa: E402
+from eagle3.draft.train_config import effective_grad_accum  # noqa: E402
 from eagle3.draft.ttt_attention import TTTCache, ttt_attention_mask, use_varlen  # noqa: E402
 from eagle3.draft.vocab import VocabMapping, save_mapping  # noqa: E402
 
@@ -337,14 +339,19 @@ def _attn_dense(model, xs, positions, doc_ids):
 
 def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: Path, s: dict, ttt: int, steps: int,
                  accum: int, threads: int, compile: bool | None = None, param_dtype: str = "auto",
-                 batch_tokens: int | None = None, optimizer: str = "adamw") -> tuple[float, object]:
+                 batch_tokens: int | None = None, optimizer: str = "adamw",
+                 tokens_per_step: int | str | None = None) -> tuple[float, object]:
     """Tokens/s of eagle3.draft.train.train_draft, from its per-step progress callbacks (first steps excluded:
-    allocator warm-up, and torch.compile's compilation when `compile`)."""
+    allocator warm-up, and torch.compile's compilation when `compile`). `tokens_per_step` None: exactly `accum`
+    micro-batches a step (train.tokens_per_step = batch_tokens when accum is 1), else train.tokens_per_step."""
     stamps: list[float] = []
     batch_tokens = batch_tokens or s["seq"]
+    if tokens_per_step is None:
+        tokens_per_step = batch_tokens if accum == 1 else "auto"
     config = TrainConfig(steps=steps + 1, warmup_steps=1, batch_tokens=batch_tokens, ttt_steps=ttt, grad_accum=accum,
                          checkpoint_every=10**6, loader_threads=threads, learning_rate=1e-5, compile=compile,
-                         param_dtype=param_dtype, optimizer=optimizer)
+                         param_dtype=param_dtype, optimizer=optimizer, tokens_per_step=tokens_per_step)
+    accum = effective_grad_accum(config, torch.cuda.is_available())  # what train_draft trains with here
     result = train_draft(config, store_dir=store, target_dir=target, head_path=head_file, vocab_path=vocab,
                          out_dir=out, stop_after=steps, progress=lambda *_: stamps.append(time.perf_counter()))
     skip = min(5 if accum == 1 else 2, len(stamps) - 2)
@@ -406,6 +413,9 @@ def main() -> None:
                         "--packed-batch tokens (varlen attention on CUDA), then stop")
     parser.add_argument("--optimizers", action="store_true",
                         help="only the real trainer with train.optimizer adamw and muon, at grad_accum 1 and --accum")
+    parser.add_argument("--compare", action="store_true",
+                        help="only issue 30's rows (benchmarks/train_compare.py): the anchor, the trainer at defaults "
+                        "and with AdamW and Muon at grad_accum 1 and --accum, speculators' own trainer")
     parser.add_argument("--packed-batch", type=int, default=8192, help="train.batch_tokens with --packed-len")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -423,6 +433,11 @@ def main() -> None:
 
     if args.packed_len:
         packed_rows(args, s, ttt, root, target, head_file, vocab, device, flops, rate)
+        return
+    if args.compare:
+        from train_compare import compare_rows
+
+        compare_rows(args, s, ttt, root, store, target, head_file, vocab, flops, device)
         return
     if args.optimizers:
         optimizer_rows(args, s, ttt, root, store, target, head_file, vocab, flops)
