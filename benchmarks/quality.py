@@ -5,7 +5,8 @@ prompts answered by the target itself: the pipeline's regenerate -> prepare_data
 stages, cached under --root), for each number of training samples N:
 - the same N training samples (the first N of the prepared train split), the same
   vocabulary mapping (ours, built from those samples) and the same hidden states;
-- our trainer (eagle3.draft.train.train_draft; its best checkpoint by held-out acceptance) and
+- our trainer (eagle3.draft.train.train_draft; its best checkpoint by the held-out walk, train.select=best;
+  with --compare-last its last checkpoint too) and
   speculators 0.9's trainer (its own CLI entry, `speculators.train.cli.main`, run in a
   child process with the CPU switches of FIELD-NOTES: --draft-attn-impl sdpa,
   --loss-implementation eager, the trainer on the CPU device and
@@ -24,6 +25,7 @@ stages, cached under --root), for each number of training samples N:
     python benchmarks/quality.py --tiny --samples 40 80 --epochs 2   # smoke check (minutes)
     python benchmarks/quality.py --samples 500 --epochs 9 --ttt-steps 5   # a recipe of ours (speculators: ttt 3, lr 1e-3)
     python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators   # train.optimizer=muon
+    python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators --compare-last   # best vs last
 """
 
 from __future__ import annotations
@@ -263,6 +265,15 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
                  "best_step": best["step"], "steps": steps,
                  **evaluate(export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
     print(json.dumps(rows[-1]), flush=True)
+    if args.compare_last:  # train.select: the last checkpoint served beside the best-walk one
+        last = max(evals, key=lambda e: e["step"])
+        last_export = export if last["checkpoint"] == best["checkpoint"] else export_draft(
+            root / "ours" / "checkpoints" / last["checkpoint"], root / "ours-last-export", target_dir=model_dir,
+            aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
+        rows.append({**{k: rows[-1][k] for k in ("samples", "tokens", "cpu_s", "wall_s")}, "trainer": "ours (last)",
+                     "best_step": last["step"], "steps": steps,
+                     **evaluate(last_export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
+        print(json.dumps(rows[-1]), flush=True)
     if args.no_speculators:
         return rows
 
@@ -315,6 +326,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="builtin:tiny target, a few samples (smoke check)")
     parser.add_argument("--no-served", action="store_true", help="skip the served (vLLM) evaluation")
     parser.add_argument("--no-speculators", action="store_true", help="only our trainer")
+    parser.add_argument("--compare-last", action="store_true",
+                        help="also evaluate our last checkpoint beside the best-walk one (train.select last vs best)")
     parser.add_argument("--ttt-steps", type=int, default=3, help="our trainer's TTT depth (speculators' stays 3)")
     parser.add_argument("--lr", type=float, default=LR, help="our trainer's peak learning rate (speculators' stays 1e-3)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
