@@ -192,15 +192,18 @@ def test_troubleshooting_names_the_errors_of_a_bad_target_or_data_file(tmp_path:
 
 
 # -- the CLI's help --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", [[], ["run"], ["demo"], ["sweep"], ["nightly"], ["deploy"], ["serve"],
-                                     ["gpu-cleanup"], ["train-node"]], ids=lambda c: " ".join(c) or "eagle3")
-def test_each_commands_help_ends_with_its_docs_page(command: list[str]):
+def _commands() -> dict[str, object]:
+    """'eagle3' and each of its subcommands -> its argparse parser."""
     from flows.cli import _parser
 
     parser = _parser()
-    if command:
-        parser = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[command[0]]
-    last = parser.format_help().rstrip().splitlines()[-1]
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return {"eagle3": parser, **{f"eagle3 {name}": p for name, p in sub.choices.items()}}
+
+
+@pytest.mark.parametrize("command", sorted(_commands()))
+def test_each_commands_help_ends_with_its_docs_page(command: str):
+    last = _commands()[command].format_help().rstrip().splitlines()[-1]
     assert last.startswith("docs: docs/"), last
     pages = [page.strip() for page in last.removeprefix("docs: ").split(",")]
     assert all((REPO / page).is_file() for page in pages), pages
