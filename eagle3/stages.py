@@ -20,7 +20,7 @@ from eagle3.artifacts import StageRecord, building, mark_complete, read_complete
 from eagle3.capture import vllm_adapter
 from eagle3.capture.data_parallel import Split, extract_with_engines
 from eagle3.capture.extract import FAN_OUT_SETTINGS, ExtractConfig, check_inputs, extract_store, storage_dtype
-from eagle3.capture.regenerate import RegenerateConfig, regenerate
+from eagle3.capture.regenerate import RUNTIME_REGENERATE_SETTINGS, RegenerateConfig, regenerate
 from eagle3.data import conversations
 from eagle3.data.builtin_targets import default_cache_dir
 from eagle3.data.conversations import DataConfig, DataError
@@ -137,6 +137,20 @@ def _load_hf(info: TargetInfo, config: TargetConfig, load_log: Path) -> object:
     return model
 
 
+def _endpoint(config: RegenerateConfig, target_config: TargetConfig, target: StageRecord, tokenizer, load_log: Path) -> object:  # noqa: ANN001
+    """regenerate.endpoint, checked against the target (eagle3.engine.endpoint); noted in `load_log` (no load)."""
+    from eagle3.data.conversations import Message, _template_ids
+    from eagle3.engine.endpoint import open_endpoint
+
+    info = TargetInfo.read(target.path)
+    engine = open_endpoint(config.endpoint, config.api_key_env, target_model=target_config.model, model_dir=info.model_dir,
+                           max_model_len=target_config.max_model_len, tokenizer=tokenizer,
+                           template_ids=lambda chat: _template_ids(tokenizer, [Message(m["role"], m["content"]) for m in chat],
+                                                                   add_generation_prompt=True))
+    engine_pool.record_load(load_log, {"event": "endpoint", "url": config.endpoint, "model": engine.model, "time": time.time()})
+    return engine
+
+
 def _tokenizer(target: StageRecord, trust_remote_code: bool):  # noqa: ANN202
     from transformers import AutoTokenizer
 
@@ -146,7 +160,8 @@ def _tokenizer(target: StageRecord, trust_remote_code: bool):  # noqa: ANN202
 # -- regenerate --------------------------------------------------------------------------
 def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, target: StageRecord, max_model_len: int) -> str:
     source = hash_files(conversations.source_files(data_config.source))
-    settings = {"regenerate": config, "source": data_config.source, "max_samples": data_config.max_samples}
+    settings = {"regenerate": config.model_dump(mode="json", exclude=RUNTIME_REGENERATE_SETTINGS), "source": data_config.source,
+                "max_samples": data_config.max_samples}
     if not config.enabled:
         return stage_fingerprint("regenerate", settings, source)
     return stage_fingerprint("regenerate", settings | {"max_model_len": max_model_len}, source, target.fingerprint)
@@ -167,8 +182,10 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
         )
     skipped, generated = 0, 0
     if config.enabled:
-        result = regenerate(answered, _tokenizer(target, target_config.trust_remote_code),
-                            target_engine(target_config, target, load_log), config, target_config.max_model_len, progress=progress,
+        tokenizer = _tokenizer(target, target_config.trust_remote_code)
+        engine = (target_engine(target_config, target, load_log) if config.endpoint is None
+                  else _once(lambda: _endpoint(config, target_config, target, tokenizer, load_log)))
+        result = regenerate(answered, tokenizer, engine, config, target_config.max_model_len, progress=progress,
                             requests_per_call=REGENERATE_REQUESTS_PER_CALL)
         answered, skipped, generated = result.conversations, result.skipped_too_long, result.generated_tokens
     with building(final) as tmp:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.capture import vllm_adapter
 from eagle3.data.conversations import Conversation, Message, _template_ids
@@ -32,6 +32,29 @@ class RegenerateConfig(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (ignored when greedy)")
     seed: int = Field(default=0, description="Sampling seed")
+    endpoint: str | None = Field(
+        default=None, description="URL of an OpenAI-compatible server of this very target that you already run (e.g. "
+        "`vllm serve` at http://127.0.0.1:8000): regenerate sends it the same token-id prompts and sampling instead of "
+        "loading the target; its model and tokenizer are checked against the target first (eagle3.engine.endpoint). "
+        "None: the target regenerates in-process or in a warm engine",
+    )
+    api_key_env: str | None = Field(
+        default=None, description="Name of the environment variable that holds the endpoint's API key (sent as a bearer "
+        "token); None: no key",
+    )
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> RegenerateConfig:
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"regenerate.endpoint={self.endpoint!r}: expected an http:// or https:// URL of an "
+                             "OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+        if self.endpoint is not None and not self.enabled:
+            raise ValueError("regenerate.endpoint is set but regenerate.enabled=false; unset one of them")
+        return self
+
+
+# Where the answers are computed, not what they are: kept out of every fingerprint.
+RUNTIME_REGENERATE_SETTINGS = {"endpoint", "api_key_env"}
 
 
 @runtime_checkable

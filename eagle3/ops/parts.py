@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eagle3.artifacts import StageRecord, atomic_write_text, building, mark_complete
 from eagle3.capture.extract import FAN_OUT_SETTINGS
+from eagle3.capture.regenerate import RUNTIME_REGENERATE_SETTINGS
 from eagle3.config import PipelineConfig
 from eagle3.data import conversations
 from eagle3.data.conversations import DataConfig, DataError
@@ -80,7 +81,7 @@ def part_config(config: PipelineConfig, split_fp: str, index: int) -> PipelineCo
 def fingerprint_part(config: PipelineConfig, split_fp: str, index: int, target_fp: str) -> str:
     """What part `index` computes: its split, the target and the settings of its three stages."""
     settings = {
-        "regenerate": config.regenerate,
+        "regenerate": config.regenerate.model_dump(mode="json", exclude=RUNTIME_REGENERATE_SETTINGS),
         "data": config.data.model_dump(mode="json", exclude={"source", "max_samples"}),
         "extract": config.extract.model_dump(mode="json", exclude=RUNTIME_EXTRACT),
         "dtype": config.target.dtype, "max_model_len": config.target.max_model_len, "index": index,

@@ -36,7 +36,9 @@ from eagle3.ops.nightly import NightlyConfig
 STAGE_ORDER = ("stage_target", "regenerate", "prepare_data", "extract", "vocab", "train", "export", "evaluate")
 # Values to try where the type alone does not give a valid other value (a path must exist, a model must resolve).
 _KNOWN_ALTERNATIVES: dict[str, list[object]] = {"target.model": ["builtin:tiny", "builtin:smollm2"],
-                                                "train.rdzv_endpoint": ["node1.cluster:29400"]}
+                                                "train.rdzv_endpoint": ["node1.cluster:29400"],
+                                                "regenerate.endpoint": ["http://127.0.0.1:8000"],
+                                                "regenerate.api_key_env": ["VLLM_API_KEY"]}
 # Settings with one valid value: nothing to compare.
 _FIXED = {"target.pipeline_parallel_size"}
 
