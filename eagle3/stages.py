@@ -113,6 +113,7 @@ def spec_from_info(config: TargetConfig, info: TargetInfo, load_log: Path | None
         model_dir=info.model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
         kv_cache_gib=config.kv_cache_gib, tensor_parallel_size=config.tensor_parallel_size,
         trust_remote_code=config.trust_remote_code, seed=0, load_log=None if load_log is None else str(load_log),
+        enable_sleep_mode=config.sleep_during_train,
     )
 
 

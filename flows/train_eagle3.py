@@ -87,7 +87,8 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
         outcome["data"] = data_report(regen, prepared)
         extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(config.extract, config.target, prepared, target),
                               config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
-        engine_pool.release_all(keep_warm=False)  # free the target's memory before training (stops our warm engine)
+        # free the target's memory before training: our warm engine stops, or sleeps (target.sleep_during_train)
+        engine_pool.release_all(keep_warm=False, sleep=config.target.sleep_during_train)
         cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
     return target, prepared, extracted
 

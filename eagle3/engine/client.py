@@ -129,6 +129,10 @@ class WarmEngine:
     def open_source(self, hidden_size: int, batch_tokens: int) -> _WarmSource:  # noqa: ARG002 - the engine batches
         return _WarmSource(self, hidden_size)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode (target.sleep_during_train, GPU only): the engine frees the GPUs, the next request wakes it."""
+        self._request(("sleep", level))
+
     def release(self, stop: bool) -> None:
         """Detach (the engine stays warm for its keep_warm_s), or stop it (`stop`). A dead engine: nothing to do."""
         try:

@@ -67,11 +67,14 @@ def acquire(spec: EngineSpec, target_fp: str, keep_warm_s: float, cache_dir: Pat
     return engine
 
 
-def release_all(keep_warm: bool) -> int:
-    """Let go of every engine: warm ones detached (`keep_warm`) or stopped when this run's; in-process ones dropped."""
+def release_all(keep_warm: bool, sleep: bool = False) -> int:
+    """Let go of every engine: warm ones detached (`keep_warm`) or stopped when this run's, or put to sleep and
+    detached (`sleep`: target.sleep_during_train, GPU only, not yet verified on a GPU); in-process ones dropped."""
     count = len(_ATTACHED)
     for engine in _ATTACHED.values():
-        stop = not keep_warm and engine.owner == "run"
+        if sleep and not keep_warm:
+            engine.sleep(level=1)  # weights to host RAM: the trainer gets the GPUs, the next run wakes it in seconds
+        stop = not keep_warm and not sleep and engine.owner == "run"
         engine.release(stop=stop)
         if stop:
             wait_gone(engine.info, STOP_WAIT_S)  # its memory is free before gpu_cleanup looks

@@ -20,6 +20,8 @@ while a request runs sends ("alive",) every HEARTBEAT_S and ("progress", n) as a
     ("capture", prompts, layer_ids, hidden_size, path)     -> lengths; the states [sum T, n, H]
                                                                float32 are written into `path`
                                                                (a file in /dev/shm the client maps)
+    ("sleep", level)                                       -> None; LLM.sleep(level) (GPU only), woken by the
+                                                               next generate or capture (target.sleep_during_train)
     ("release", stop)                                      -> None; stop: the engine then exits
 
 Captured states never cross the socket: the engine writes them into the shared-memory file the
@@ -95,6 +97,7 @@ class EngineServer:
         self.idle_since = time.monotonic()
         self.stopping = False
         self.source = None  # the capture source, opened on the first capture
+        self.sleeping = False
         self.socket_path = home.socket_path()
 
     def listen(self) -> socket.socket:
@@ -200,6 +203,12 @@ class EngineServer:
             if args[0].get("keep_warm_s") is not None and self.record.get("owner") == "run":  # a user's engine keeps its own
                 self.keep_warm_s = float(args[0]["keep_warm_s"])
             return read_info(self.home)
+        if kind == "sleep":
+            return self._sleep(int(args[0]))
+        if self.sleeping and kind in ("generate", "capture"):
+            self.llm.wake_up()  # weights back from host RAM: seconds, not a load
+            self.sleeping = False
+            write_info(self.home, (read_info(self.home) or self.record) | {"sleeping": False})
         if kind == "generate":
             self._close_source()  # no capture hooks on a generation
             prompts, params = args
@@ -209,7 +218,17 @@ class EngineServer:
         if kind == "release":
             self.stopping = self.stopping or bool(args[0])
             return None
-        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, capture or release")
+        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, capture, sleep or release")
+
+    def _sleep(self, level: int) -> None:
+        """vLLM sleep mode (GPU only; the engine was loaded with enable_sleep_mode): level 1 moves the weights to
+        host RAM and drops the KV cache, so the trainer has the GPUs; the next generate or capture wakes it."""
+        if not self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+            raise ValueError("this engine was loaded without sleep mode; set target.sleep_during_train=true (a new engine)")
+        self._close_source()
+        self.llm.sleep(level=level)
+        self.sleeping = True
+        write_info(self.home, (read_info(self.home) or self.record) | {"sleeping": True})
 
     def _capture(self, prompts: list[list[int]], layer_ids: list[int], hidden_size: int, path: str) -> list[int]:
         import torch

@@ -125,6 +125,24 @@ def test_two_runs_attached_at_once_take_turns_and_both_get_their_answers(warm, s
     assert results == {0: alone, 1: alone}
 
 
+def test_sleep_during_train_is_refused_on_the_cpu_build_and_by_an_engine_loaded_without_sleep_mode(warm, spec, cache):
+    from pydantic import ValidationError
+
+    from eagle3.data.target import TargetConfig
+
+    with pytest.raises(ValueError, match=r"target.sleep_during_train=true needs CUDA: on the CPU build .* does nothing"):
+        pool.check_sleep_during_train(True)
+    with pytest.raises(ValidationError, match="target.keep_warm_s=0 keeps no engine warm"):
+        TargetConfig(sleep_during_train=True, keep_warm_s=0)
+    engine = pool.acquire(spec, TARGET_FP, 300, cache)
+    try:
+        with pytest.raises(ValueError, match="loaded without sleep mode; set target.sleep_during_train=true"):
+            engine.sleep()
+        assert _answers(engine)  # still serving, awake
+    finally:
+        pool.release_all(keep_warm=True)
+
+
 def _inet_listeners(pid: int) -> list[str]:
     """The local addresses of TCP/UDP sockets `pid` listens on (IPv4 and IPv6), from /proc."""
     inodes = set()
