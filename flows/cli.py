@@ -11,6 +11,8 @@
     eagle3 serve [--port 4200] [--api-url URL] [deploy options]
     eagle3 train-node --spec SPEC.json --node-rank R   join, from another machine, a train stage with train.nnodes > 1
     eagle3 engine start|list|stop            keep the target loaded in a warm engine (flows/engine_cli.py)
+    eagle3 doctor                            the versions found (python, torch, vLLM, ...), whether each is supported,
+                                             what will not work with them; exit 1 when something needed is missing
 
 `run` and `nightly` print one line per stage (stage, state, seconds, artifact), a progress bar
 for the long stages, then the result table, write <run-dir>/summary.json and exit non-zero when
@@ -109,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--spec", type=Path, required=True, help="the launch spec node 0 wrote, on the shared folder")
     node.add_argument("--node-rank", type=int, required=True, help="this machine's node: 1 .. train.nnodes-1")
     engine_cli.add_parser(sub, _docs)
+    sub.add_parser("doctor", help="print the versions found (python, torch, vllm, transformers, prefect, speculators, CPU "
+                   "flags), whether each is supported, and what will not work with them", epilog=_docs("vllm-versions.md"))
     return parser
 
 
@@ -387,6 +391,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _train_node(args)
     if args.command == "engine":
         return engine_cli.run(args, _fail)
+    if args.command == "doctor":
+        from eagle3.ops import doctor
+
+        return doctor.main()
     return _gpu_cleanup(args)
 
 
