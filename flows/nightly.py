@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 from eagle3 import draft_stages, stages
 from eagle3.artifacts import StageRecord, atomic_write_text
 from eagle3.capture import vllm_adapter
+from eagle3.engine import pool as engine_pool
 from eagle3.config import PipelineConfig, check_against_target
 from eagle3.data.target import TargetInfo
 from eagle3.fingerprint import fingerprint
@@ -145,7 +146,7 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
                                config=p.target, cache_dir=p.builtin_cache)
             check_against_target(p, TargetInfo.read(target.path))  # in seconds, not after extraction
             done = [_part(run, p, file, target, load_log) for file in files]
-            vllm_adapter.release_all()
+            engine_pool.release_all(keep_warm=False)  # free the target's memory before training (stops our warm engine)
             cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=p.gpu, run_dir=run_dir))
         parts = [part for part, _ in done]
         night["parts"] = [info for _, info in done]
@@ -169,7 +170,7 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
                                      candidate=_candidate(exported, evaluated, assembled, served, warm),
                                      served_acceptance=in_service, exported=exported, vocab=vocab)
     finally:
-        vllm_adapter.release_all()
+        engine_pool.release_all(keep_warm=True)  # a failed run leaves its warm engine up for target.keep_warm_s
         outcome["target_loads"] = loads_since(load_log, started)
         summary = _report(run, run_dir, outcome, night, trained)
     return summary

@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import flow
 
 from eagle3.artifacts import StageRecord
-from eagle3.capture import vllm_adapter
+from eagle3.engine import pool as engine_pool
 from eagle3.config import PipelineConfig
 from eagle3.ops.summary import RunSummary, loads_since, write_summary
 from flows.runner import enter_work_dir, open_runner
@@ -42,6 +42,6 @@ def extract_part(config: PipelineConfig, split_fp: str, index: int, part_fp: str
         return run.stage("part", part_tasks.part_record, part_fp, label=f"part {index}", prepared=prepared,
                          extracted=extracted)
     finally:
-        vllm_adapter.release_all()
+        engine_pool.release_all(keep_warm=True)  # a failed part leaves its warm engine up for target.keep_warm_s
         write_summary(run_dir / "summary.json", RunSummary(stages=list(run.rows), gpu_cleanup=cleanups,
                                                            target_loads=loads_since(load_log, started)))

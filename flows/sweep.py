@@ -29,7 +29,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord, read_complete
-from eagle3.capture import vllm_adapter
+from eagle3.engine import pool as engine_pool
 from eagle3.config import PipelineConfig
 from eagle3.ops.summary import StageRow, loads_since, write_summary
 from eagle3.ops.sweep import (
@@ -102,7 +102,7 @@ def sweep_eagle3(config: PipelineConfig, grid: list[GridAxis], on_workers: bool 
         if failures:
             raise failures[0]
     finally:
-        vllm_adapter.release_all()
+        engine_pool.release_all(keep_warm=True)  # a failed run leaves its warm engine up for target.keep_warm_s
         summary = _finish(config, grid, list(results.values()), run, cleanups, outcome, loads_since(load_log, started))
     return summary
 

@@ -40,6 +40,7 @@ from eagle3.engine.registry import (
     home_for,
     is_live,
     new_key,
+    process_identity,
     read_info,
     read_key,
     start_lock,
@@ -117,6 +118,7 @@ class WarmEngine:
 
     def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int], hidden_size: int) -> list[torch.Tensor]:
         """Per prompt [T_i, len(layer_ids), H] float32, as views of the shared-memory file the engine wrote."""
+        _remove_stale_states()
         path = shm_dir() / f"{STATES_PREFIX}{os.getpid()}-{next(_REQUESTS)}"
         try:
             lengths = self._request(("capture", [list(p) for p in prompts], list(layer_ids), hidden_size, str(path)))
@@ -141,6 +143,14 @@ class WarmEngine:
             pass  # gone already: what release asks for is true
         finally:
             self.conn.close()
+
+
+def _remove_stale_states() -> None:
+    """State files of runs killed mid-capture (their pid is gone): nobody will map them again."""
+    for path in shm_dir().glob(f"{STATES_PREFIX}*"):
+        pid = path.name.removeprefix(STATES_PREFIX).split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and process_identity(int(pid)) is None:
+            path.unlink(missing_ok=True)
 
 
 class _WarmSource:

@@ -36,8 +36,10 @@ class RunSummary(BaseModel):
         "regenerate skipped as too long, samples dropped or cut to data.max_tokens"
     )
     target_loads: list[dict] = Field(
-        default_factory=list, description="Each target load of this run (logs/target_loads.jsonl): seconds, and the "
-        "GPU memory preflight done before it"
+        default_factory=list, description="How this run got its target (logs/target_loads.jsonl), one entry each time: "
+        "event 'loaded' (seconds, and the GPU memory preflight done before it; 'warm': in an engine process, 'backend': "
+        "'hf' for transformers), 'attached' to a warm engine (engine_pid, loaded_at, seconds_saved) or 'endpoint' "
+        "(regenerate.endpoint: no load)"
     )
 
     @property
@@ -79,7 +81,8 @@ def loads_since(load_log: Path, since: float) -> list[dict]:
     if not Path(load_log).is_file():
         return []
     lines = (line for line in Path(load_log).read_text().splitlines() if line.strip())
-    return [entry for entry in map(json.loads, lines) if entry.get("time", 0) >= since]
+    entries = [entry for entry in map(json.loads, lines) if entry.get("time", 0) >= since]
+    return [{"event": "loaded"} | entry for entry in entries]  # an in-process load's line has no event: it loaded
 
 
 def read_summary(path: Path) -> RunSummary:

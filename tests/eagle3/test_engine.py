@@ -216,3 +216,24 @@ def test_an_engine_killed_mid_request_is_an_error_then_a_fresh_load_with_no_orph
     info = dict(fresh.info)
     assert pool.wait_gone(info, 60), "the idle engine did not exit after keep_warm_s"
     assert not Path(info["socket"]).exists() and live_engines(cache) == []
+
+
+def test_the_hf_backends_load_is_recorded_like_an_engines(builtin_cache, tmp_path):
+    from eagle3 import stages
+    from eagle3.capture.extract import ExtractConfig
+    from eagle3.capture.regenerate import RegenerateConfig
+    from eagle3.data.conversations import DataConfig
+    from eagle3.data.target import TargetConfig
+    from eagle3.ops.summary import loads_since
+
+    target_config, loads = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32"), tmp_path / "loads.jsonl"
+    target = stages.run_stage_target(target_config, builtin_cache, tmp_path, stages.fingerprint_target(target_config))
+    data, regen_config, extract_config = DataConfig(max_samples=8, max_tokens=96), RegenerateConfig(enabled=False), \
+        ExtractConfig(backend="hf", samples_per_shard=4)
+    regen = stages.run_regenerate(regen_config, data, target_config, target, tmp_path,
+                                  stages.fingerprint_regenerate(regen_config, data, target, 256), loads)
+    prepared = stages.run_prepare(data, regen, target, False, tmp_path, stages.fingerprint_prepare(data, regen, target))
+    stages.run_extract(extract_config, target_config, prepared, target, tmp_path,
+                       stages.fingerprint_extract(extract_config, target_config, prepared, target), loads)
+    (load,) = loads_since(loads, 0)
+    assert load["event"] == "loaded" and load["backend"] == "hf" and load["seconds"] >= 0 and load["pid"] == os.getpid()
