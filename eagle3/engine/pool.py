@@ -12,7 +12,9 @@
 `release_all(keep_warm)`: a run that finished its target stages stops the engine it started (its
 memory is free for training, as before); a run that failed only detaches (`keep_warm=True`),
 so the engine waits keep_warm_s for the same command again or Prefect's retry. An engine
-started with `eagle3 engine start` (owner "user") is only ever detached from.
+started with `eagle3 engine start` (owner "user") is only ever detached from. With
+target.sleep_during_train (GPU only, not yet verified on a GPU) a finished run puts the engine to
+sleep (LLM.sleep(level=1)) instead of stopping it, and the next run's first request wakes it.
 """
 
 from __future__ import annotations
