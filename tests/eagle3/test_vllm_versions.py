@@ -64,6 +64,13 @@ def test_per_request_acceptance_is_asked_for_only_where_the_version_has_it(versi
     assert serving_options(features(version), speculative=False) == {}
 
 
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_workarounds_apply_to_the_versions_with_the_bug(version: str):
+    feats = features(version)
+    assert feats.cpu_spec_kernels_unpatched == version.startswith("0.30.")  # its spec-decode dispatchers keep Triton's stubs
+    assert feats.dispatcher_vars_bug == (version >= "0.31")  # _rebind_kernels' vars(x).get, in-process
+
+
 def test_a_cpu_runner_without_speculative_decoding_is_named():
     with pytest.raises(VllmUnsupported, match=r"vLLM 0\.16\.0's CPU runner has no speculative decoding.*evaluate\.served: false"):
         serving_options(features("0.16.0"), speculative=True)
