@@ -206,6 +206,61 @@ def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retrie
     assert all(_states(tmp_path / n)["train"] == "Completed" for n in "ab")
 
 
+def _wait_exited(served: Served, flow_run_name: str) -> None:
+    """Until the worker logs that a finished attempt's process has exited (a retry before that is reported as a crash
+    by Prefect 3.7's worker, which tracks processes by flow run id)."""
+    deadline = time.time() + 120
+    while f"Process for flow run {flow_run_name!r} exited" not in served.worker_log(tail=None):
+        assert time.time() < deadline, "the failed attempt's process did not exit in 120 s"
+        time.sleep(0.5)
+
+
+def test_prefect_retry_of_a_run_whose_extract_failed_attaches_to_its_warm_engine(served: Served, tmp_path: Path):
+    """Issue 25, on the path a scheduled or UI run takes: a train-eagle3 deployment run with target.keep_warm_s set
+    fails in extract (its artifact folder is a file) after regenerate loaded the target into a warm engine; the
+    engine stays up; `prefect flow-run retry` of that run attaches to it (no second load) and completes. The engine
+    settings (kv_cache_gib) are this test's own, so no other run of the module attaches to it; it is stopped at the
+    end."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from eagle3.engine.registry import live_engines
+    from flows.engine_cli import stop_engine
+
+    cache = Path(served.env["EAGLE3_CACHE_DIR"])
+    run_dir = tmp_path / "run"
+    (run_dir / "artifacts").mkdir(parents=True)
+    (run_dir / "artifacts" / "extract").write_text("a file where the extract artifacts go: the stage cannot write")
+    config = build_config("tiny", run_dir=str(run_dir), overrides=[*SMALL, "target.keep_warm_s=300",
+                                                                   "target.kv_cache_gib=2"])
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: served.api_url}):
+            first = run_deployment("train-eagle3/train-eagle3", parameters={"config": config.model_dump(mode="json")},
+                                   timeout=900)
+        assert first.state.name == "Failed" and _states(run_dir)["extract"] == "Failed", served.worker_log()
+        loads = [json.loads(line) for line in (run_dir / "logs" / "target_loads.jsonl").read_text().splitlines()]
+        assert [entry.get("event", "loaded") for entry in loads] == ["loaded"]
+        warm = [info for _, info in live_engines(cache) if info["pid"] == loads[0]["pid"]]
+        assert warm, f"no live warm engine after the failed extract: {live_engines(cache)}"
+        (run_dir / "artifacts" / "extract").unlink()
+        _wait_exited(served, first.name)
+        retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(first.id)], env=served.env,
+                               capture_output=True, text=True, timeout=120)
+        assert retry.returncode == 0, retry.stdout + retry.stderr
+        with _api(served.api_url) as client:
+            final = _wait_final(client, first.id)
+        assert final.state.name == "Completed", served.worker_log()
+        states = _states(run_dir)
+        assert states["regenerate"] == "Cached" and states["extract"] == "Completed"
+        loads = [json.loads(line) for line in (run_dir / "logs" / "target_loads.jsonl").read_text().splitlines()]
+        assert [entry.get("event", "loaded") for entry in loads] == ["loaded", "attached"], loads
+        assert loads[1]["engine_pid"] == warm[0]["pid"]
+    finally:
+        for home, info in live_engines(cache):
+            if info.get("spec", {}).get("kv_cache_gib") == 2:
+                stop_engine(home, info)
+
+
 def test_ctrl_c_stops_the_worker_and_the_server(served: Served):
     pids = [served.pid("worker"), served.pid("server")]
     served.proc.send_signal(signal.SIGINT)
