@@ -116,7 +116,7 @@ def _stop(cache: Path, wanted: list[str], fail: Callable[[str, int], int]) -> in
 def stop_engine(home, info: dict, grace_s: float = 20.0) -> str:  # noqa: ANN001 - an EngineHome
     """Stop one engine: asked through its socket, else SIGTERM, else SIGKILL; says how it went."""
     from eagle3.engine.client import EngineError, EngineGone, connect
-    from eagle3.engine.pool import wait_gone
+    from eagle3.engine.registry import wait_gone
     from eagle3.engine.registry import clear
 
     try:

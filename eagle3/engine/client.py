@@ -44,6 +44,7 @@ from eagle3.engine.registry import (
     read_info,
     read_key,
     start_lock,
+    wait_gone,
 )
 from eagle3.engine.server import HANDSHAKE_TIMEOUT_S, STATES_PREFIX, set_socket_timeout
 
@@ -218,7 +219,7 @@ def attach_or_start(spec: EngineSpec, target_fp: str, cache_dir: Path, keep_warm
             try:
                 engine = connect(home, info)
             except EngineGone as err:  # dying, or wedged: a dying one is gone within seconds
-                if not _wait_dead(info, DYING_S):
+                if not wait_gone(info, DYING_S):
                     raise EngineError(f"warm engine pid {info['pid']} runs but does not answer on {info['socket']}; "
                                       f"stop it with `eagle3 engine stop` (or kill {info['pid']}) and run again") from err
             else:
@@ -228,15 +229,6 @@ def attach_or_start(spec: EngineSpec, target_fp: str, cache_dir: Path, keep_warm
                                 "seconds_saved": info.get("load_seconds"), "time": time.time()}
         clear(home)  # a dead engine's socket, record and key
         return _start(home, spec, keep_warm_s, owner, load_timeout_s)
-
-
-def _wait_dead(info: dict, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while is_live(info):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _wait_loading(home: EngineHome, info: dict | None, timeout_s: float) -> dict | None:

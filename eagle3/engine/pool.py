@@ -20,13 +20,12 @@ sleep (LLM.sleep(level=1)) instead of stopping it, and the next run's first requ
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from eagle3.capture import vllm_adapter
 from eagle3.capture.vllm_adapter import EngineSpec
 from eagle3.engine.client import WarmEngine, attach_or_start
-from eagle3.engine.registry import EngineHome, engine_fingerprint, engines_root, is_live, read_info
+from eagle3.engine.registry import EngineHome, engine_fingerprint, engines_root, is_live, read_info, wait_gone
 
 _ATTACHED: dict[str, WarmEngine] = {}  # engine fingerprint -> the engine this process is attached to
 GPU_KEEP_WARM_S = 1800.0
@@ -88,14 +87,6 @@ def attached() -> list[WarmEngine]:
     return list(_ATTACHED.values())
 
 
-def wait_gone(pid_info: dict, timeout_s: float) -> bool:
-    """Wait until the engine `pid_info` describes has exited; False after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while is_live(pid_info):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def check_sleep_during_train(enabled: bool) -> None:

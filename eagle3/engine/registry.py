@@ -156,6 +156,16 @@ def is_live(info: dict | None) -> bool:
     return process_identity(int(info.get("pid", 0))) == info.get("start_ticks")
 
 
+def wait_gone(info: dict, timeout_s: float) -> bool:
+    """Wait until the engine process `info` describes has exited; False after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while is_live(info):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def clear(home: EngineHome) -> None:
     """Remove what a dead engine left: its record, socket and key (the log stays, for the reader)."""
     info = read_info(home) or {}

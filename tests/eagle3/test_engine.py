@@ -22,7 +22,8 @@ import pytest
 from eagle3.capture import vllm_adapter
 from eagle3.engine import pool
 from eagle3.engine.client import EngineError, EngineGone, WarmEngine
-from eagle3.engine.registry import EngineHome, engine_fingerprint, engines_root, is_live, live_engines, new_key, read_info
+from eagle3.engine.registry import (EngineHome, engine_fingerprint, engines_root, is_live, live_engines, new_key, read_info,
+                                    wait_gone)
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET_FP = "tiny-test-target"
@@ -214,7 +215,7 @@ def test_an_engine_killed_mid_request_is_an_error_then_a_fresh_load_with_no_orph
     finally:
         pool.release_all(keep_warm=True)
     info = dict(fresh.info)
-    assert pool.wait_gone(info, 60), "the idle engine did not exit after keep_warm_s"
+    assert wait_gone(info, 60), "the idle engine did not exit after keep_warm_s"
     assert not Path(info["socket"]).exists() and live_engines(cache) == []
 
 
