@@ -74,6 +74,10 @@ def served(tmp_path_factory, builtin_cache) -> Served:
             raise RuntimeError("eagle3 serve did not get ready:\n" + "".join(out.lines)[-4000:])
         time.sleep(0.5)
     yield out
+    if proc.poll() is None:  # a run of part of the module (no Ctrl-C test): stop it as Ctrl-C does, so that its
+        os.killpg(proc.pid, signal.SIGINT)  # server and worker (sessions of their own) go too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
 
