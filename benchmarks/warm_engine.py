@@ -21,35 +21,19 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.chaos import start_prefect_server  # noqa: E402 - the one Prefect server start of the benchmarks
 COMMON = ["--set", "train.steps=10", "--set", "train.warmup_steps=2", "--set", "train.checkpoint_every=10",
           "--set", "eval.served=false"]
 DOWNSTREAM = ("extract", "vocab", "train", "export", "evaluate")
 SHARDS_BEFORE_FAILURE = 5  # of the demo's 10 (288 + 32 samples, 32 a shard)
-
-
-def _prefect_server(home: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    for _ in range(240):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return proc, url
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("prefect server did not start in 120 s")
 
 
 def _eagle3(args: list[str], env: dict[str, str], fail_after: int | None = None) -> tuple[int, float, str]:
@@ -89,7 +73,8 @@ def main() -> int:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)  # a previous run's regenerate and prepare_data are reused (Cached)
     shutil.rmtree(args.work / "prefect-home", ignore_errors=True)
-    server, url = _prefect_server(args.work / "prefect-home")
+    (args.work / "prefect-home").mkdir()
+    server, url = start_prefect_server(args.work / "prefect-home")
     env = os.environ | {"PREFECT_API_URL": url, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     lines = [f"warm engine benchmark, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
              f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
