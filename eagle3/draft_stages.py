@@ -6,8 +6,11 @@ Same contract as eagle3.stages: settings + upstream records in, one whole artifa
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +28,16 @@ from eagle3.draft.served_eval import ServedReport, heldout_prompts, served_accep
 from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
-from eagle3.stages import _done, stage_fingerprint
+from eagle3.draft.online_data import GIB, OnlineConfig, OnlineData, OnlineSample, check_buffer, plan_text
+from eagle3.data.target import TargetConfig
+from eagle3.engine import pool as engine_pool
+from eagle3.engine.client import EngineGone
+from eagle3.stages import _done, online_target_config, stage_fingerprint, states_fingerprint, target_engine
 
 VOCAB_FILE = "vocab.safetensors"
 TrainProgress = Callable[[int, int, float], None]
+CAPTURE_ATTEMPTS = 3  # an engine that died mid-epoch is loaded afresh (twice at most), and the capture asked again
+log = logging.getLogger(__name__)
 
 
 # -- vocab -------------------------------------------------------------------------------
@@ -64,7 +73,7 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
     for name, default in ADDED_WITH_DEFAULT.items():  # a setting added later, at its default: the old fingerprint
         if settings[name] == default:
             del settings[name]
-    return stage_fingerprint("train", settings, extracted.fingerprint, vocab.fingerprint, target.fingerprint)
+    return stage_fingerprint("train", settings, states_fingerprint(extracted), vocab.fingerprint, target.fingerprint)
 
 
 def _target_text_config(target: StageRecord) -> dict | None:
@@ -85,11 +94,14 @@ def _target_text_config(target: StageRecord) -> dict | None:
 
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
-              progress: TrainProgress | None = None, init_from: Path | None = None) -> StageRecord:
+              progress: TrainProgress | None = None, init_from: Path | None = None,
+              online: OnlineSetup | None = None) -> StageRecord:
     """Trains in place (checkpoints under the artifact folder), so a killed run resumes.
 
     `init_from`: an exported draft to start from (the nightly warm start); the caller puts its
     identity into `fp`.
+    `online`: train.data online/hybrid: the target engine captures what the extract record did not store
+    (eagle3.draft_online); the stage prints the plan first.
 
     Every checkpoint is scored by simulated acceptance on the held-out store; the record's
     `checkpoint` is the best one (the export takes it), `last_checkpoint` the last.
@@ -103,7 +115,13 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
              "vocab_path": vocab.path / VOCAB_FILE, "heldout_store_dir": heldout if len(StoreReader(heldout)) else None,
              "init_from": init_from}
     processes = resolve_num_processes(config)  # per machine; train.nnodes machines (this one is node 0)
-    if processes > 1 or config.nnodes > 1:
+    if config.data != "store":
+        if online is None:
+            raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
+                             "passes them (run_train(online=OnlineSetup(...)))")
+        with online_data(config, online, target, extracted, root, fp) as data:
+            result = train_draft(config, out_dir=final, progress=progress, online=data, **paths)
+    elif processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
     else:
         result = train_draft(config, out_dir=final, progress=progress, **paths)
@@ -123,8 +141,69 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         "init_from": str(init_from) if init_from is not None else "",
         "processes": processes,
         "nnodes": config.nnodes,
-    }
+        "data": config.data,
+    } | result.online
     return mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint=fp, stats=stats))
+
+
+@dataclass(frozen=True)
+class OnlineSetup:
+    """What the train stage needs for train.data online/hybrid besides its own settings."""
+
+    online: OnlineConfig
+    target_config: TargetConfig
+    load_log: Path  # <run_dir>/logs/target_loads.jsonl: the engine's load or attach is a line of it
+
+
+@contextlib.contextmanager
+def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, extracted: StageRecord, root: Path,
+                fp: str) -> Iterator[OnlineData]:
+    """The train split's samples, the kept store and a capture through the target's warm engine (eagle3.engine):
+    the one the extract stage of this run attached to, or attached/started now. Prints the plan first."""
+    info = TargetInfo.read(target.path)
+    if "train_kept" not in extracted.stats:
+        raise ValueError(f"train.data={config.data!r}, but the extract artifact {extracted.path} stored the whole train "
+                         "split (train.data='store'); the flow sets extract.store_budget_gib for online/hybrid runs")
+    dtype = StoreReader(extracted.path / "heldout", verify=False).dtype
+    storage = getattr(torch, dtype)
+    check_buffer(setup.online.buffer_gib, config.batch_tokens, len(info.aux_layer_ids) + 1, info.hidden_size, storage)
+    samples = [OnlineSample(s.input_ids, s.loss_mask)
+               for s in conversations.read_samples(Path(str(extracted.stats["train_samples_file"])))]
+    limit = setup.target_config.max_model_len - 1  # extract.too_long: refused by the extract stage, else truncated
+    samples = [OnlineSample(s.input_ids[:limit], s.loss_mask[:limit]) for s in samples]
+    kept = int(extracted.stats["train_kept"])
+    rate = extracted.stats.get("capture_tokens_per_s")
+    budget = extracted.stats.get("store_budget_gib")
+    print(f"train: {plan_text([len(s.input_ids) for s in samples], kept, config.batch_tokens, budget, rate)}", flush=True)
+    capture = _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size)
+    folder = Path(setup.online.buffer_dir) if setup.online.buffer_dir else root / "online_buffer" / fp
+    yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None, capture=capture,
+                     buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
+                     aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage)
+
+
+class _EngineCapture:
+    """eagle3.draft.online_data.Capture over the target's warm engine; an engine that dies (kill -9, a crash) is
+    loaded afresh and asked again, CAPTURE_ATTEMPTS times in all, so a run outlives its engine."""
+
+    def __init__(self, setup: OnlineSetup, target: StageRecord, layer_ids: list[int], hidden_size: int) -> None:
+        self.get_engine = target_engine(online_target_config(setup.target_config), target, setup.load_log)
+        self.layer_ids, self.hidden_size = layer_ids, hidden_size
+
+    def __call__(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        from eagle3.capture.source import open_source
+
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            try:
+                source = open_source("vllm", self.get_engine(), hidden_size=self.hidden_size, batch_tokens=1)
+                return source.capture(prompts, self.layer_ids)  # per prompt [T, n_aux+1, H] float32
+            except EngineGone as err:
+                if attempt == CAPTURE_ATTEMPTS:
+                    raise
+                log.warning("online capture: %s; loading the target afresh (attempt %d of %d)", err, attempt + 1,
+                            CAPTURE_ATTEMPTS)
+                engine_pool.release_all(keep_warm=True)  # forget the dead one: the next acquire starts a new engine
+        raise AssertionError("unreachable")
 
 
 # -- export ------------------------------------------------------------------------------
@@ -150,7 +229,7 @@ def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, ro
 def fingerprint_evaluate(config: EvalConfig, exported: StageRecord | str, extracted: StageRecord) -> str:
     """`exported`: the export record, or its fingerprint."""
     return stage_fingerprint("evaluate", config, exported if isinstance(exported, str) else exported.fingerprint,
-                             extracted.fingerprint)
+                             states_fingerprint(extracted))
 
 
 def chain_fingerprints(train: TrainConfig, evaluate: EvalConfig, target: StageRecord, extracted: StageRecord,

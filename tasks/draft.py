@@ -21,9 +21,10 @@ def vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, root:
 
 
 @task(name="train")
-def train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str) -> StageRecord:
+def train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
+          online: draft_stages.OnlineSetup | None = None) -> StageRecord:
     report = progress_reporter("train", "steps")
-    return draft_stages.run_train(config, target, extracted, vocab, root, fp,
+    return draft_stages.run_train(config, target, extracted, vocab, root, fp, online=online,
                                   progress=lambda step, total, loss: report(step, total, detail=f"loss {loss:.3f}"))
 
 

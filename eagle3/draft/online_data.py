@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.capture.store import FP8, StoreReader, encode_states, write_safetensors
 from eagle3.draft.batches import next_batch_indices
@@ -258,3 +259,20 @@ def _kept_locations(data: OnlineData) -> dict[int, tuple[str, int]]:
         raise OnlineDataError(f"the kept store {data.kept_store} holds {len(locations)} samples, the plan {data.kept}; "
                               "run the extract stage again")
     return dict(enumerate(locations))
+
+
+class OnlineConfig(BaseModel):
+    """Settings of online training data (train.data online or hybrid)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    buffer_gib: float = Field(
+        default=16.0, gt=0, description="Most GiB of captured states on disk at once (train.data online/hybrid): the "
+        "engine captures ahead of the trainer until the buffer is full, and each shard (one micro-batch) is deleted "
+        "once the trainer has read it. Must hold at least one micro-batch's shard (train.batch_tokens tokens of every "
+        "stored state); refused before any load otherwise. Not part of any fingerprint."
+    )
+    buffer_dir: str | None = Field(
+        default=None, description="Folder of the buffer (emptied at start, removed at the end); default "
+        "<artifact root>/online_buffer/<train fingerprint>. Not part of any fingerprint."
+    )
