@@ -95,13 +95,13 @@ def _target_text_config(target: StageRecord) -> dict | None:
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
               progress: TrainProgress | None = None, init_from: Path | None = None,
-              online: OnlineSetup | None = None) -> StageRecord:
+              online: OnlineSetup | None = None, say: Callable[[str], None] = print) -> StageRecord:
     """Trains in place (checkpoints under the artifact folder), so a killed run resumes.
 
     `init_from`: an exported draft to start from (the nightly warm start); the caller puts its
     identity into `fp`.
     `online`: train.data online/hybrid: the target engine captures what the extract record did not store
-    (eagle3.draft_online); the stage prints the plan first.
+    (online_data); the stage tells `say` the plan first.
 
     Every checkpoint is scored by simulated acceptance on the held-out store; the record's
     `checkpoint` is the best one (the export takes it), `last_checkpoint` the last.
@@ -119,7 +119,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         if online is None:
             raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
                              "passes them (run_train(online=OnlineSetup(...)))")
-        with online_data(config, online, target, extracted, root, fp) as data:
+        with online_data(config, online, target, extracted, root, fp, say) as data:
             result = train_draft(config, out_dir=final, progress=progress, online=data, **paths)
     elif processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
@@ -157,9 +157,9 @@ class OnlineSetup:
 
 @contextlib.contextmanager
 def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, extracted: StageRecord, root: Path,
-                fp: str) -> Iterator[OnlineData]:
+                fp: str, say: Callable[[str], None] = print) -> Iterator[OnlineData]:
     """The train split's samples, the kept store and a capture through the target's warm engine (eagle3.engine):
-    the one the extract stage of this run attached to, or attached/started now. Prints the plan first."""
+    the one the extract stage of this run attached to, or attached/started now. Tells `say` the plan first."""
     info = TargetInfo.read(target.path)
     if "train_kept" not in extracted.stats:
         raise ValueError(f"train.data={config.data!r}, but the extract artifact {extracted.path} stored the whole train "
@@ -174,7 +174,7 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
     kept = int(extracted.stats["train_kept"])
     rate = extracted.stats.get("capture_tokens_per_s")
     budget = extracted.stats.get("store_budget_gib")
-    print(f"train: {plan_text([len(s.input_ids) for s in samples], kept, config.batch_tokens, budget, rate)}", flush=True)
+    say(f"train: {plan_text([len(s.input_ids) for s in samples], kept, config.batch_tokens, budget, rate)}")
     capture = _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size)
     folder = Path(setup.online.buffer_dir) if setup.online.buffer_dir else root / "online_buffer" / fp
     yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None, capture=capture,

@@ -27,6 +27,7 @@ the shard index the handshake), and data-parallel trainers (refused: train.num_p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -180,6 +181,9 @@ class OnlineFeed:
             self.cond.notify_all()
         self.thread.join(timeout=600)
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder.parent.name == "online_buffer":  # the default's parent too, when no other run's buffer is in it
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()
 
     def stats(self) -> dict[str, float]:
         return {"tokens_captured": self.tokens_captured, "capture_seconds": round(self.capture_seconds, 3),
