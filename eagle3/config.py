@@ -26,6 +26,7 @@ from eagle3.draft.launch import resolve_num_processes
 from eagle3.draft.online_data import OnlineConfig, OnlineDataError, check_buffer
 from eagle3.draft.train_config import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
+from eagle3.engine.placement import PlacementError, split_cpus
 from eagle3.gpu.cleanup import GpuCleanupConfig
 from eagle3.storage import is_url
 
@@ -167,6 +168,11 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
                          storage_dtype(config.extract, config.target.dtype))
         except OnlineDataError as err:
             problems.append(str(err))
+        if gpus == 0:
+            try:
+                split_cpus(config.online.engine_cpus)  # the trainer must keep a core of its own
+            except PlacementError as err:
+                problems.append(str(err))
     try:
         resolve_num_processes(config.train)  # more processes than GPUs; grad_accum that 'auto' does not split
     except (TrainError, DistError) as err:

@@ -32,6 +32,7 @@ from eagle3.draft.online_data import GIB, OnlineConfig, OnlineData, OnlineSample
 from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from eagle3.engine.client import EngineGone
+from eagle3.engine.placement import pin_process, split_cpus, trainer_on
 from eagle3.stages import _done, online_target_config, stage_fingerprint, states_fingerprint, target_engine
 
 VOCAB_FILE = "vocab.safetensors"
@@ -175,27 +176,43 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
     rate = extracted.stats.get("capture_tokens_per_s")
     budget = extracted.stats.get("store_budget_gib")
     say(f"train: {plan_text([len(s.input_ids) for s in samples], kept, config.batch_tokens, budget, rate)}")
-    capture = _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size)
+    cpus = None if torch.cuda.is_available() else split_cpus(setup.online.engine_cpus)  # (engine's, trainer's)
+    if cpus is not None:
+        say(f"train: the engine on CPUs {sorted(cpus[0])}, the trainer on {sorted(cpus[1])} (online.engine_cpus="
+            f"{setup.online.engine_cpus})")
+    capture = _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size,
+                             None if cpus is None else cpus[0])
     folder = Path(setup.online.buffer_dir) if setup.online.buffer_dir else root / "online_buffer" / fp
-    yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None, capture=capture,
-                     buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
-                     aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage)
+    with trainer_on(None if cpus is None else cpus[1]):
+        yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None,
+                         capture=capture, buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
+                         aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage)
 
 
 class _EngineCapture:
     """eagle3.draft.online_data.Capture over the target's warm engine; an engine that dies (kill -9, a crash) is
     loaded afresh and asked again, CAPTURE_ATTEMPTS times in all, so a run outlives its engine."""
 
-    def __init__(self, setup: OnlineSetup, target: StageRecord, layer_ids: list[int], hidden_size: int) -> None:
+    def __init__(self, setup: OnlineSetup, target: StageRecord, layer_ids: list[int], hidden_size: int,
+                 engine_cpus: frozenset[int] | None) -> None:
         self.get_engine = target_engine(online_target_config(setup.target_config), target, setup.load_log)
-        self.layer_ids, self.hidden_size = layer_ids, hidden_size
+        self.layer_ids, self.hidden_size, self.engine_cpus = layer_ids, hidden_size, engine_cpus
+        self.pinned: set[int] = set()
+
+    def _engine(self) -> object:
+        engine = self.get_engine()
+        pid = getattr(engine, "pid", None)  # a warm engine process (an in-process engine is never pinned)
+        if self.engine_cpus is not None and pid is not None and pid not in self.pinned:
+            pin_process(pid, self.engine_cpus)  # online.engine_cpus: the engine's cores, apart from the trainer's
+            self.pinned.add(pid)
+        return engine
 
     def __call__(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         from eagle3.capture.source import open_source
 
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
             try:
-                source = open_source("vllm", self.get_engine(), hidden_size=self.hidden_size, batch_tokens=1)
+                source = open_source("vllm", self._engine(), hidden_size=self.hidden_size, batch_tokens=1)
                 return source.capture(prompts, self.layer_ids)  # per prompt [T, n_aux+1, H] float32
             except EngineGone as err:
                 if attempt == CAPTURE_ATTEMPTS:

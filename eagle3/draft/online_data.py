@@ -38,9 +38,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from eagle3.capture.store import FP8, StoreReader, encode_states, write_safetensors
 from eagle3.draft.batches import next_batch_indices
@@ -276,7 +277,20 @@ class OnlineConfig(BaseModel):
         "once the trainer has read it. Must hold at least one micro-batch's shard (train.batch_tokens tokens of every "
         "stored state); refused before any load otherwise. Not part of any fingerprint."
     )
+    engine_cpus: int | Literal["auto"] = Field(
+        default="auto", description="CPU build: cores of their own for the target engine process (the first N this "
+        "process may use; every engine thread is pinned there), the trainer gets the rest and as many torch threads. "
+        "'auto': half of them (at least 1) when there are at least 2; 0: no pinning, both share every core. Ignored "
+        "with CUDA (GPU placement is not built yet). Not part of any fingerprint."
+    )
     buffer_dir: str | None = Field(
         default=None, description="Folder of the buffer (emptied at start, removed at the end); default "
         "<artifact root>/online_buffer/<train fingerprint>. Not part of any fingerprint."
     )
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _cores(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"online.engine_cpus is {value}; expected a number of cores >= 0 (0: no pinning) or 'auto'")
+        return value

@@ -8,11 +8,13 @@ only the held-out split); the hybrid run keeps half the train split's states. Sa
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle3 import draft_stages, stages
 from eagle3.capture.extract import ExtractConfig
@@ -24,6 +26,7 @@ from eagle3.draft.online_data import GIB, OnlineConfig, row_bytes, shard_bytes
 from eagle3.draft.train_config import TrainConfig
 from eagle3.draft.vocab import VocabConfig
 from eagle3.engine import pool
+from eagle3.engine.placement import PlacementError, affinity, split_cpus
 from eagle3.engine.registry import live_engines
 
 TARGET = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32", keep_warm_s=120)
@@ -53,12 +56,14 @@ def _extract(world, budget: float | None):
                               world["root"], fp, world["loads"])
 
 
-def _train(world, extracted, data: str, root: Path, buffer_gib: float = 0.001):
+def _train(world, extracted, data: str, root: Path, buffer_gib: float = 0.001, seen: list | None = None):
     config = TrainConfig(data=data, **TRAIN)
     fp = draft_stages.fingerprint_train(config, extracted, world["vocab"], world["target"])
     setup = draft_stages.OnlineSetup(OnlineConfig(buffer_gib=buffer_gib), stages.online_target_config(TARGET), world["loads"])
     record = draft_stages.run_train(config, world["target"], extracted, world["vocab"], root, fp,
-                                    online=None if data == "store" else setup)
+                                    online=None if data == "store" else setup,
+                                    progress=lambda *_: seen is not None and seen.append(
+                                        (os.sched_getaffinity(0), torch.get_num_threads())))
     losses = [json.loads(line)["loss"] for line in (record.path / "losses.jsonl").read_text().splitlines()]
     return record, losses
 
@@ -66,7 +71,7 @@ def _train(world, extracted, data: str, root: Path, buffer_gib: float = 0.001):
 def _one_shard(world) -> int:
     info = TargetInfo.read(world["target"].path)
     return shard_bytes(TRAIN["batch_tokens"], TRAIN["batch_tokens"], len(info.aux_layer_ids) + 1, info.hidden_size,
-                       __import__("torch").float32)
+                       torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +101,9 @@ def test_online_gives_the_store_runs_losses_with_the_buffer_on_disk_bounded(worl
 
     watcher = threading.Thread(target=poll)
     watcher.start()
+    before, seen = os.sched_getaffinity(0), []
     try:
-        record, losses = _train(world, extracted, "online", tmp_path, buffer_gib)
+        record, losses = _train(world, extracted, "online", tmp_path, buffer_gib, seen)
     finally:
         done.set()
         watcher.join()
@@ -107,12 +113,18 @@ def test_online_gives_the_store_runs_losses_with_the_buffer_on_disk_bounded(worl
     assert not folder.exists()  # nothing of the buffer outlives the run
     events = [json.loads(line)["event"] for line in world["loads"].read_text().splitlines()]
     assert events.count("loaded") == 1, events  # one target load for extract and both trainings
+    split = split_cpus("auto", before)  # online.engine_cpus 'auto': the engine and the trainer on cores of their own
+    if split is not None:
+        (engine,) = pool.attached()
+        assert affinity(engine.pid) == set(split[0])
+        assert {frozenset(cpus) for cpus, _ in seen} == {split[1]} and {n for _, n in seen} == {len(split[1])}
+    assert os.sched_getaffinity(0) == before  # the trainer's threads are given their cores back
 
 
 def test_hybrid_with_half_the_states_gives_the_store_runs_losses(world, store_run, tmp_path):
     store_extract, _, store_losses = store_run
     info = TargetInfo.read(world["target"].path)
-    per_token = row_bytes(len(info.aux_layer_ids) + 1, info.hidden_size, __import__("torch").float32)
+    per_token = row_bytes(len(info.aux_layer_ids) + 1, info.hidden_size, torch.float32)
     budget = store_extract.stats["train_tokens"] * per_token / 2 / GIB
     extracted = _extract(world, budget)
     total = extracted.stats["train_samples_total"]
@@ -140,3 +152,15 @@ def test_a_buffer_smaller_than_one_shard_is_refused_right_after_stage_target(wor
 def test_settings_online_cannot_run_with_are_refused_before_any_load(overrides, expected):
     with pytest.raises(ConfigError, match=expected):
         build_config("tiny", overrides=overrides)
+
+
+def test_the_engine_and_trainer_cores_split_and_one_that_leaves_the_trainer_none_is_refused(world):
+    assert split_cpus("auto", {0, 1, 2, 3}) == (frozenset({0, 1}), frozenset({2, 3}))
+    assert split_cpus(1, {4, 5, 6}) == (frozenset({4}), frozenset({5, 6}))
+    assert split_cpus("auto", {0}) is None and split_cpus(0, {0, 1}) is None
+    with pytest.raises(PlacementError, match=r"online.engine_cpus=2 leaves the trainer no core"):
+        split_cpus(2, {0, 1})
+    count = len(os.sched_getaffinity(0))
+    config = build_config("tiny", overrides=["train.data=online", f"online.engine_cpus={count}"])
+    with pytest.raises(ConfigError, match=rf"online.engine_cpus={count} leaves the trainer no core"):
+        check_against_target(config, TargetInfo.read(world["target"].path))
