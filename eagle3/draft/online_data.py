@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -143,9 +142,8 @@ class OnlineFeed:
         self.kept_locations = _kept_locations(data)
         self.n_states = len(data.aux_layer_ids) + 1
         self.folder = Path(data.buffer_dir)
-        if self.folder.exists():
-            shutil.rmtree(self.folder)  # shards of a killed run: the stream starts again at the checkpoint's cursor
-        self.folder.mkdir(parents=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _remove_shards(self.folder)  # a killed run's: the stream starts again at the checkpoint's cursor
         self.cond = threading.Condition()
         self.ready: dict[int, dict[int, tuple[str, int]]] = {}
         self.sizes: dict[int, int] = {}  # shard k on disk (or being written) -> bytes
@@ -181,9 +179,10 @@ class OnlineFeed:
             self.closed = True
             self.cond.notify_all()
         self.thread.join(timeout=600)
-        shutil.rmtree(self.folder, ignore_errors=True)
-        if self.folder.parent.name == "online_buffer":  # the default's parent too, when no other run's buffer is in it
-            with contextlib.suppress(OSError):
+        _remove_shards(self.folder)
+        with contextlib.suppress(OSError):  # the folder when empty, and the default's online_buffer/ when no other
+            self.folder.rmdir()           # run's buffer is in it (a folder of the user's keeps its other files)
+            if self.folder.parent.name == "online_buffer":
                 self.folder.parent.rmdir()
 
     def stats(self) -> dict[str, float]:
@@ -242,8 +241,12 @@ class OnlineFeed:
                 tensors[f"{j}.hidden_scales"] = scales.contiguous()
         final = self.folder / _shard(k)
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
-        size, _ = write_safetensors(tmp, tensors, {"sample_ids": json.dumps([str(i) for i in need])})
-        os.replace(tmp, final)
+        try:
+            size, _ = write_safetensors(tmp, tensors, {"sample_ids": json.dumps([str(i) for i in need])})
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         with self.cond:
             self.sizes[k] = size  # the true size (the reservation was an upper bound)
         self.tokens_captured += sum(len(p) for p in prompts)
@@ -252,6 +255,12 @@ class OnlineFeed:
 
 def _shard(k: int) -> str:
     return f"batch-{k:08d}.safetensors"
+
+
+def _remove_shards(folder: Path) -> None:
+    """The buffer's own files (shards and their temporaries), nothing else of the folder."""
+    for path in [*folder.glob("batch-*.safetensors"), *folder.glob(".batch-*.safetensors.tmp-*")]:
+        path.unlink(missing_ok=True)
 
 
 def _kept_locations(data: OnlineData) -> dict[int, tuple[str, int]]:
@@ -284,7 +293,8 @@ class OnlineConfig(BaseModel):
         "with CUDA (GPU placement is not built yet). Not part of any fingerprint."
     )
     buffer_dir: str | None = Field(
-        default=None, description="Folder of the buffer (emptied at start, removed at the end); default "
+        default=None, description="Folder of the buffer (its shards removed at start and at the end, then the folder "
+        "when empty); default "
         "<artifact root>/online_buffer/<train fingerprint>. Not part of any fingerprint."
     )
 

@@ -119,3 +119,14 @@ def test_the_hybrid_plan_keeps_a_prefix_that_fits_and_says_what_it_costs():
                         dtype=torch.float32) == 2
     text = plan_text([10, 10, 10], kept=2, batch_tokens=8, budget_gib=0.5, tokens_per_s=4.0)
     assert "2 of 3 samples kept" in text and "8 tokens re-captured per epoch" in text and "2.0 s" in text
+
+
+def test_a_buffer_folder_of_the_users_keeps_its_other_files(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    (folder / "batch-00000003.safetensors").write_bytes(b"a killed run's shard")
+    data = _online(tmp_path, 2 * _one_shard())
+    result = _train(tmp_path / "out", OnlineData(**(data.__dict__ | {"buffer_dir": folder})))
+    assert result.steps_done == STEPS
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
