@@ -36,7 +36,7 @@ from eagle3.engine.placement import pin_process, split_cpus, trainer_on
 from eagle3.stages import _done, online_target_config, stage_fingerprint, states_fingerprint, target_engine
 
 VOCAB_FILE = "vocab.safetensors"
-TrainProgress = Callable[[int, int, float], None]
+TrainProgress = Callable[..., None]  # (step, steps, loss), and online: tokens captured so far
 CAPTURE_ATTEMPTS = 3  # an engine that died mid-epoch is loaded afresh (twice at most), and the capture asked again
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,9 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
             raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
                              "passes them (run_train(online=OnlineSetup(...)))")
         with online_data(config, online, target, extracted, root, fp, say) as data:
-            result = train_draft(config, out_dir=final, progress=progress, online=data, **paths)
+            both = None if progress is None else (  # steps trained and tokens the engine captured so far
+                lambda step, total, loss: progress(step, total, loss, data.capture.tokens))
+            result = train_draft(config, out_dir=final, progress=both, online=data, **paths)
     elif processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
     else:
@@ -198,6 +200,7 @@ class _EngineCapture:
         self.get_engine = target_engine(online_target_config(setup.target_config), target, setup.load_log)
         self.layer_ids, self.hidden_size, self.engine_cpus = layer_ids, hidden_size, engine_cpus
         self.pinned: set[int] = set()
+        self.tokens = 0  # captured so far (the train stage's progress shows it beside the steps)
 
     def _engine(self) -> object:
         engine = self.get_engine()
@@ -213,7 +216,9 @@ class _EngineCapture:
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
             try:
                 source = open_source("vllm", self._engine(), hidden_size=self.hidden_size, batch_tokens=1)
-                return source.capture(prompts, self.layer_ids)  # per prompt [T, n_aux+1, H] float32
+                states = source.capture(prompts, self.layer_ids)  # per prompt [T, n_aux+1, H] float32
+                self.tokens += sum(len(p) for p in prompts)
+                return states
             except EngineGone as err:
                 if attempt == CAPTURE_ATTEMPTS:
                     raise

@@ -26,12 +26,16 @@ def vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, root:
 def train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
           online: draft_stages.OnlineSetup | None = None) -> StageRecord:
     report = progress_reporter("train", "steps")
+
+    def progress(step: int, total: int, loss: float, captured: int | None = None) -> None:
+        online_part = "" if captured is None else f", {captured:,} tokens captured"  # train.data online/hybrid
+        report(step, total, detail=f"loss {loss:.3f}{online_part}")
+
     def say(text: str) -> None:  # the online plan: on the console and in the run log
         console.say(text)
         get_run_logger().info(text)
 
-    return draft_stages.run_train(config, target, extracted, vocab, root, fp, online=online, say=say,
-                                  progress=lambda step, total, loss: report(step, total, detail=f"loss {loss:.3f}"))
+    return draft_stages.run_train(config, target, extracted, vocab, root, fp, online=online, say=say, progress=progress)
 
 
 @task(name="export")
