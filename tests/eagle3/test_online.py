@@ -164,3 +164,12 @@ def test_the_engine_and_trainer_cores_split_and_one_that_leaves_the_trainer_none
     config = build_config("tiny", overrides=["train.data=online", f"online.engine_cpus={count}"])
     with pytest.raises(ConfigError, match=rf"online.engine_cpus={count} leaves the trainer no core"):
         check_against_target(config, TargetInfo.read(world["target"].path))
+
+
+@pytest.mark.parametrize("base, grid", [(["train.data=online"], "train.learning_rate=3e-4,1e-3"),
+                                        ([], "train.data=store,online")])
+def test_a_sweep_with_online_data_is_refused_before_any_work(base, grid):
+    from eagle3.ops.sweep import expand_points, parse_grid
+
+    with pytest.raises(ConfigError, match=r"train.data='online': eagle3 sweep trains every point from one stored"):
+        expand_points(build_config("tiny", overrides=base), parse_grid([grid]))
