@@ -249,7 +249,7 @@ class HostStager:
     def stage(self, states: Sequence[torch.Tensor], dtype: torch.dtype) -> StagedBatch:
         lengths = [int(s.shape[0]) for s in states]
         starts = tuple(sum(lengths[:i]) for i in range(len(lengths)))
-        packed = torch.cat(list(states))  # n_prompts x [T_i, n_ids, H] -> [sum T_i, n_ids, H], on the capture device
+        packed = pack_states(states)  # n_prompts x [T_i, n_ids, H] -> [sum T_i, n_ids, H], on the capture device
         values, scales = encode_states(packed, dtype)  # on the device: fp8 quantizes before the copy
         if packed.device.type != "cuda":
             return StagedBatch(values, scales, starts, None)
@@ -261,6 +261,19 @@ class HostStager:
             ready = torch.cuda.Event()
             ready.record(stream)
         return StagedBatch(host_values, host_scales, starts, ready)
+
+
+def pack_states(states: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[sum T_i, n_ids, H]: a view when the prompts' states already lie back to back in one tensor (a capture batch
+    of equal lengths: its rows), else a copy (torch.cat): 0.5 GB less to copy on the GPU for an 8B batch."""
+    first = states[0]
+    end = first.data_ptr()
+    for state in states:
+        if (not state.is_contiguous() or state.data_ptr() != end or state.shape[1:] != first.shape[1:]
+                or state.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(list(states))
+        end += state.numel() * state.element_size()
+    return first.as_strided((sum(int(s.shape[0]) for s in states), *first.shape[1:]), first.stride())
 
 
 def _to_pinned(tensor: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
