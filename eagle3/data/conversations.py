@@ -84,8 +84,8 @@ class DataConfig(BaseModel):
                              "list of them")
         blank = [i for i, e in enumerate(entries) if not e.strip()]
         if blank:
-            raise ValueError(f"data.source={value!r}: entry {blank[0]} is empty; expected a JSONL file path or "
-                             f"{BUILTIN_CHATTERBOT!r}")
+            which = f"entry {blank[0]} is empty" if isinstance(value, list) else "empty"
+            raise ValueError(f"data.source={value!r}: {which}; expected a JSONL file path or {BUILTIN_CHATTERBOT!r}")
         names: dict[str, str] = {}
         for entry in entries:
             name = source_name(entry)
