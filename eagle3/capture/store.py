@@ -345,8 +345,8 @@ class StoreWriter:
 
 
 def _manifest_line(entry: ShardEntry) -> dict:
-    line = entry.__dict__ | {"sample_ids": list(entry.sample_ids)}
-    return line | {"sources": list(entry.sources)} if entry.sources is not None else {k: v for k, v in line.items() if k != "sources"}
+    line = {k: v for k, v in entry.__dict__.items() if k != "sources"} | {"sample_ids": list(entry.sample_ids)}
+    return line if entry.sources is None else line | {"sources": list(entry.sources)}
 
 
 def _entry(raw: dict, root: Path) -> ShardEntry:

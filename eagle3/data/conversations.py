@@ -358,4 +358,5 @@ def sample_row(sample: TokenizedSample) -> dict[str, object]:
 
 def read_samples(path: Path) -> list[TokenizedSample]:
     with open(path, encoding="utf-8") as handle:
-        return [TokenizedSample(r["id"], r["input_ids"], r["loss_mask"], r.get("source")) for r in map(json.loads, handle) if r]
+        rows = (r for r in map(json.loads, handle) if r)
+        return [TokenizedSample(r["id"], r["input_ids"], r["loss_mask"], r.get("source")) for r in rows]

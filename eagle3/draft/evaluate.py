@@ -145,7 +145,8 @@ def report_from_counts(accepted: torch.Tensor, served: torch.Tensor, num_draft_t
     )
 
 
-def report_by_source(per_sample: list[tuple[str | None, torch.Tensor, torch.Tensor]], num_draft_tokens: int) -> AcceptanceReport:
+def report_by_source(per_sample: list[tuple[str | None, torch.Tensor, torch.Tensor]],
+                     num_draft_tokens: int) -> AcceptanceReport:
     """Each sample's (data source, accepted int64 [N_i], served bool [N_i]) -> the pooled report, with `by_source`
     filled when any sample names a source (samples without one are grouped as UNLABELLED)."""
     def pooled(rows: list[tuple[str | None, torch.Tensor, torch.Tensor]]) -> AcceptanceReport:

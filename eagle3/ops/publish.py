@@ -118,7 +118,8 @@ class GateDecision:
         text = (f"{verdict}. {self.reason}\n\n| | acceptance length |\n|---|---:|\n| candidate | {self.candidate:.3f} |\n"
                 f"| served (same held-out set) | {served} |\n| tolerance | {self.tolerance:.3f} |")
         if self.sources and self.max_source_regression is not None:
-            rows = [f"| {name} | {c:.3f} | {p:.3f} | {c - p:+.3f} | {'**worse**' if c < p - self.max_source_regression else 'ok'} |"
+            bar = self.max_source_regression
+            rows = [f"| {name} | {c:.3f} | {p:.3f} | {c - p:+.3f} | {'**worse**' if c < p - bar else 'ok'} |"
                     for name, (c, p) in self.sources.items()]
             text += (f"\n\nPer data source (publish.max_source_regression {self.max_source_regression:.3f}):\n\n"
                      "| data source | candidate | served | change | gate |\n|---|---:|---:|---:|---|\n" + "\n".join(rows))
@@ -144,12 +145,12 @@ def decide(candidate: float, published: float | None, tolerance: float, *,
             " The served draft has no per-source figures on this held-out set (evaluated before per-source "
             f"figures existed), so the candidate's {len(candidate_sources)} data sources were not compared: gated on "
             "the pooled figure alone."))
-    both = {name: (candidate_sources[name], published_sources[name]) for name in candidate_sources if name in published_sources}
+    both = {name: (value, published_sources[name]) for name, value in candidate_sources.items() if name in published_sources}
     worse = sorted(((p - c, name) for name, (c, p) in both.items() if c < p - max_source_regression), reverse=True)
     if worse:
         named = "; ".join(f"Data source {name!r}: candidate {both[name][0]:.3f} < served {both[name][1]:.3f} - "
-                          f"publish.max_source_regression {max_source_regression:.3f} = {both[name][1] - max_source_regression:.3f}"
-                          for _, name in worse)
+                          f"publish.max_source_regression {max_source_regression:.3f} = "
+                          f"{both[name][1] - max_source_regression:.3f}" for _, name in worse)
         return GateDecision(False, candidate, published, tolerance, f"{named} (pooled: {reason[:-1].lower()}).",
                             both, max_source_regression)
     return GateDecision(True, candidate, published, tolerance, reason + (
