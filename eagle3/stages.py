@@ -54,6 +54,9 @@ Progress = Callable[[int, int, int], None]  # (done, total, tokens processed so 
 # between calls (None: all at once). See eagle3.capture.regenerate for why the value is what it is.
 REGENERATE_REQUESTS_PER_CALL: int | None = None
 BAD_ROWS = "bad_rows.jsonl"  # prepare_data: the source rows skipped, one {"source", "line", "reason"} a line
+# In regenerate's fingerprint only when the data may name data sources (conversations.names_sources): an artifact
+# written before sources were kept does not carry them, and data without sources keeps its fingerprints.
+SOURCES_VERSION = "1"
 
 
 def stage_fingerprint(stage: str, settings: object, *upstream: str) -> str:
@@ -163,6 +166,8 @@ def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, ta
     source = hash_files(conversations.source_files(data_config.source))
     settings = {"regenerate": config.model_dump(mode="json", exclude=RUNTIME_REGENERATE_SETTINGS), "source": data_config.source,
                 "max_samples": data_config.max_samples}
+    if conversations.names_sources(data_config.source):
+        settings["sources"] = SOURCES_VERSION
     if not config.enabled:
         return stage_fingerprint("regenerate", settings, source)
     return stage_fingerprint("regenerate", settings | {"max_model_len": max_model_len}, source, target.fingerprint)
@@ -233,6 +238,10 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
         stats = {"train_samples": len(train), "heldout_samples": len(heldout), "dropped": dropped, "truncated": truncated,
                  "train_tokens": sum(len(s.input_ids) for s in train), "skipped_rows": len(bad_rows),
                  "bad_rows_report": str(final / BAD_ROWS)}
+        if any(s.source is not None for s in train + heldout):  # {source: [train samples, held-out samples]}
+            counts = {src: [sum(s.source == src for s in train), sum(s.source == src for s in heldout)]
+                      for src in dict.fromkeys(s.source for s in train + heldout)}
+            stats["sources"] = json.dumps(counts)
         return mark_complete(tmp, StageRecord(stage="prepare_data", uri=str(final), fingerprint=fp, stats=stats))
 
 

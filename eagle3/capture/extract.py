@@ -201,7 +201,7 @@ def check_inputs(
         )
     log.warning("%s; truncated to their first %d tokens (extract.too_long='truncate')", what, limit)
     return [
-        s if len(s.input_ids) <= limit else TokenizedSample(s.id, s.input_ids[:limit], s.loss_mask[:limit])
+        s if len(s.input_ids) <= limit else TokenizedSample(s.id, s.input_ids[:limit], s.loss_mask[:limit], s.source)
         for s in samples
     ]
 
@@ -297,7 +297,8 @@ class _ShardJob:
         out = []
         for k, s in enumerate(self.samples):
             values, scales = self.staged.prompt(self.first + k, len(s.input_ids))  # [T, n_ids, H], [T, n_ids] | None
-            out.append(Sample(s.id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool), values, scales))
+            out.append(Sample(s.id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool), values, scales,
+                              source=s.source))
         writer.write_shard(self.index, out)
 
 

@@ -1,7 +1,9 @@
 """The regenerate stage: the target answers the prompts, so the draft learns its own target.
 
 Each conversation keeps its turns up to (not including) the first assistant turn; the
-target writes that assistant turn (greedy when temperature is 0, sampled otherwise).
+target writes that assistant turn (greedy when temperature is 0, sampled otherwise). The
+conversation keeps its id and its data source (eagle3.data.conversations), so evaluate can
+still group the regenerated samples by source.
 
 Progress moves as answers finish: vLLM's `LLM.generate` reports each finished request to the
 tqdm class it is given (`use_tqdm`), and ours passes the count on (vllm_adapter._counting_bar).
@@ -101,7 +103,7 @@ def regenerate(
     out = []
     for (conv, head, _), tokens in zip(prompts, outputs):
         text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        out.append(Conversation(conv.id, head + (Message("assistant", text),)))
+        out.append(Conversation(conv.id, head + (Message("assistant", text),), conv.source))
     return RegenerateResult(out, skipped, sum(len(t) for t in outputs))
 
 
