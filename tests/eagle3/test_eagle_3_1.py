@@ -20,6 +20,7 @@ from safetensors import safe_open
 from eagle3.draft.architecture import DraftSettings
 from eagle3.draft.train_config import TrainConfig
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, TRAIN_KW, one_thread, tiny_world  # noqa: F401
+from tests.eagle3.vllm_drafter import first_two_draft_forwards
 
 EAGLE_3_1 = DraftSettings(fc_norm=True, norm_output=True)
 
@@ -85,28 +86,10 @@ def test_vllm_computes_the_eagle_3_1_draft_as_we_train_it():
     vllm_adapter.release_all()
     llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype="float32", max_model_len=64, kv_cache_gib=1,
                                            speculative_dir=str(export), num_speculative_tokens=2)
-    calls: list[dict] = []
-    try:
-        runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
-        theirs = runner.drafter.model
-        assert theirs.model.fc_norm is not None and theirs.model.norm_output  # vLLM read both flags
-        raw_aux: list[torch.Tensor] = []
-        combine = theirs.combine_hidden_states
-        theirs.combine_hidden_states = lambda states: (raw_aux.append(states.detach().clone()), combine(states))[1]
-
-        def record(module, args, kwargs, out):  # noqa: ANN001, ANN202
-            calls.append({"input_ids": kwargs["input_ids"].clone(), "positions": kwargs["positions"].clone(),
-                          "hidden_states": kwargs["hidden_states"].clone(), "aux": raw_aux[-1] if raw_aux else None,
-                          "logits": module.compute_logits(out[0]).detach().clone(), "handed_on": out[1].detach().clone()})
-
-        theirs.register_forward_hook(record, with_kwargs=True)
-        embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
-        prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
-        vllm_adapter.greedy_generate(llm, [prompt], max_new_tokens=2)
-    finally:
-        vllm_adapter.shutdown_engine(llm)
-    first, second = calls[0], calls[1]  # prefill: 13 rows; then 1 row, the token the first drafted
-    assert first["input_ids"].shape[0] == len(prompt) and second["input_ids"].shape[0] == 1
+    prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
+    theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
+    assert theirs.model.fc_norm is not None and theirs.model.norm_output  # vLLM read both flags
+    embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
     with torch.no_grad():
         aux = first["aux"].float().view(len(prompt), len(AUX_LAYER_IDS), -1)  # [T, n_aux * H] -> [T, n_aux, H]
         hidden = ours.fuse(aux)  # fc over the per-state norms
