@@ -3,8 +3,8 @@ of it whose chat template has a reasoning switch (tests/eagle3/thinking_target.p
 
 - with the switch on, the target's reasoning is kept (`reasoning_content`) and prepared into the loss mask; off, none;
 - a 3-turn conversation is regenerated turn by turn, each prompt holding the target's own earlier answers; a run
-  that fails between turns leaves its finished turns in the journal, and the rerun asks the engine for the
-  missing turns only, giving what an uninterrupted run gives;
+  that fails between turns (an engine error injected, or the process SIGKILLed) leaves its finished turns in the
+  journal, and the rerun asks the engine for the missing turns only, giving what an uninterrupted run gives;
 - the template drops earlier turns' reasoning: each turn is its own sample, rendered as the server renders it;
 - bad settings (a chat_template_kwargs value, a key the template does not read, max_new_tokens beyond the
   target's context) are one error naming the setting, before any load, with nothing written.
@@ -159,6 +159,53 @@ def test_three_turns_regenerated_turn_by_turn_and_resumed_after_a_failure_betwee
     straight = regenerate(load_conversations(data), tokenizer, lambda: Recorder(again[0].llm), config, 256)
     assert straight.conversations == chats  # the resumed run gives what an uninterrupted one gives
     assert _run(staged, data, config, monkeypatch) == record  # whole now: no engine asked
+
+
+_KILLED = """
+import json, os, signal, sys
+from pathlib import Path
+from eagle3 import stages
+from eagle3.artifacts import StageRecord
+from eagle3.capture import regenerate as regen
+from eagle3.capture.regenerate import RegenerateConfig
+from eagle3.data.conversations import DataConfig
+from eagle3.data.target import TargetConfig
+
+real = regen._append_journal
+def append(path, turn, asks):  # SIGKILL right after turn 2 is journaled: between turns 2 and 3
+    real(path, turn, asks)
+    if turn == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+regen._append_journal = append
+args = json.loads(sys.argv[1])
+config, data = RegenerateConfig(**args["config"]), DataConfig(**args["data"])
+target = StageRecord(**args["target"])
+stages.run_regenerate(config, data, TargetConfig(**args["target_config"]), target, Path(args["root"]),
+                      stages.fingerprint_regenerate(config, data, target, 256), Path(args["loads"]))
+"""
+
+
+def test_a_run_killed_between_turns_regenerates_only_the_missing_turns(staged, tokenizer, tmp_path, monkeypatch):
+    target_config, target, _, loads = staged
+    data = DataConfig(source=str(_chats(tmp_path / "chats.jsonl")), max_tokens=200, heldout_fraction=0.0)
+    config = RegenerateConfig(max_new_tokens=12, max_turns=3, chat_template_kwargs=OFF)
+    root = tmp_path / "artifacts"
+    args = {"config": config.model_dump(mode="json"), "data": data.model_dump(mode="json"), "target": target.to_dict(),
+            "target_config": target_config.model_dump(mode="json"), "root": str(root), "loads": str(tmp_path / "l.jsonl")}
+    killed = subprocess.run([sys.executable, "-c", _KILLED, json.dumps(args)], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    folder = root / "regenerate" / stages.fingerprint_regenerate(config, data, target, 256)
+    assert read_complete(folder) is None and not (folder / "conversations.jsonl").exists()
+    journal = [json.loads(line) for line in (folder / JOURNAL).read_text().splitlines()]
+    assert sorted((r["id"], r["turn"]) for r in journal) == [(f"c{i}", t) for i in range(3) for t in (1, 2)]
+
+    calls: list[Recorder] = []
+    record = _run((target_config, target, root, loads), data, config, monkeypatch,
+                  lambda llm: calls.append(Recorder(llm)) or calls[0])
+    assert [len(c) for c in calls[0].calls] == [3]  # one engine call: turn 3 of the 3 conversations
+    assert record.stats["reused_turns"] == 6 and read_complete(folder) == record
+    straight = regenerate(load_conversations(data), tokenizer, lambda: Recorder(calls[0].llm), config, 256)
+    assert load_conversations(DataConfig(source=str(folder / "conversations.jsonl"))) == straight.conversations
 
 
 def test_a_template_that_drops_earlier_reasoning_gives_each_turn_as_the_server_sees_it(tokenizer):
