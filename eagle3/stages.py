@@ -244,8 +244,8 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
             (heldout if held else train).append(sample)
     if not train:
         raise DataError(
-            f"data.source={config.source!r}: no usable training sample ({len(chats)} conversations, {dropped} without "
-            f"an assistant token after truncation to data.max_tokens={config.max_tokens}, {len(bad_rows)} source rows skipped)"
+            f"data.source={config.source!r}: no usable training sample ({len(chats)} conversations, {dropped} samples "
+            f"without an assistant token after truncation to data.max_tokens={config.max_tokens}, {len(bad_rows)} source rows skipped)"
         )
     with building(final) as tmp:
         conversations.write_samples(tmp / "train.jsonl", train)

@@ -12,7 +12,8 @@ Qwen3's `enable_thinking`, Kimi-K2.5's `thinking`). A generated answer that hold
 (`<think>` ... `</think>`, or everything up to `</think>` when the template's generation prompt opened
 the block) keeps it as the turn's `reasoning_content`, apart from its content, as vLLM's reasoning
 parsers return it: the chat template then renders it, or drops it from later turns' history, as it
-does for the server. A truncated reasoning (no `</think>` within max_new_tokens) is all reasoning.
+does for the server. A truncated reasoning (no `</think>` within max_new_tokens) is all reasoning. A template that never
+reads `reasoning_content` would lose it, so there the answer stays one text, as before.
 
 Per-turn resume: every answer is appended to a journal (`turns.jsonl` in the stage's folder, one
 {"id", "turn", "prompt", "answer"} row each, `prompt` a hash of the prompt's token ids) as soon as
@@ -227,11 +228,21 @@ def _next_ask(dialog: _Dialog, tokenizer, config: RegenerateConfig, max_model_le
 
 
 def _take_answer(ask: _Ask, tokenizer) -> None:  # noqa: ANN001
-    reasoning, content = split_reasoning(decode_answer(tokenizer, ask.answer), ask.opened)
+    if reads_reasoning(tokenizer):
+        reasoning, content = split_reasoning(decode_answer(tokenizer, ask.answer), ask.opened)
+    else:  # a template that never reads reasoning_content would lose it: the answer stays one text, as generated
+        reasoning, content = None, decode_answer(tokenizer, ask.answer).strip()
     dialog = ask.dialog
     dialog.history = ask.head + (Message("assistant", content, reasoning),)
     dialog.next_message = ask.answer_at + 1
     dialog.turns += 1
+
+
+def reads_reasoning(tokenizer) -> bool:  # noqa: ANN001
+    """Whether the tokenizer's chat template reads an assistant turn's `reasoning_content` (Qwen3's, Kimi's do)."""
+    template = tokenizer.chat_template
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any("reasoning_content" in text for text in texts)
 
 
 def decode_answer(tokenizer, tokens: Sequence[int]) -> str:  # noqa: ANN001

@@ -222,7 +222,7 @@ def test_a_template_that_drops_earlier_reasoning_gives_each_turn_as_the_server_s
     assert "A field." in _learned(tokenizer, whole) and "Yes." in _learned(tokenizer, whole)
 
 
-def test_a_scripted_reasoning_answer_is_split_and_dropped_from_the_next_prompt(tokenizer):
+def test_a_scripted_reasoning_answer_is_split_and_dropped_from_the_next_prompt(tokenizer, tiny_target):
     script = ["plan one</think>\n\nanswer one", "plan two</think>\n\nanswer two"]
 
     class Scripted:  # the answers a reasoning model gives (the prompt opened <think>)
@@ -241,6 +241,11 @@ def test_a_scripted_reasoning_answer_is_split_and_dropped_from_the_next_prompt(t
     assert out.messages[3] == Message("assistant", "answer two", "plan two")
     second = tokenizer.decode(engine.prompts[1])
     assert "answer one" in second and "plan one" not in second and second.endswith("<think>\n")
+    plain = AutoTokenizer.from_pretrained(tiny_target)  # ChatML: never reads reasoning_content, so nothing is split off
+    script[0] = "<think>plan</think>answer"
+    engine.prompts = []
+    (kept,) = regenerate([conv], plain, lambda: engine, RegenerateConfig(), 256).conversations
+    assert kept.messages[1] == Message("assistant", "<think>plan</think>answer")
     assert split_reasoning("<think>a</think>b", opened=False) == ("a", "b")
     assert split_reasoning("no tags", opened=False) == (None, "no tags")
     assert split_reasoning("cut off mid-thought", opened=True) == ("cut off mid-thought", "")
