@@ -184,7 +184,8 @@ def regenerate(
                 todo.append(ask)
         answered += len(asks) - len(todo)
         if todo:
-            outputs = _generate_all(engine, todo, config, turn, journal, progress, requests_per_call, answered, planned)
+            outputs = _generate_all(engine, todo, config, turn, journal, progress, requests_per_call,
+                                    (answered, planned, generated))
             generated += sum(len(t) for t in outputs)
             answered += len(todo)
         for ask in asks:
@@ -284,7 +285,11 @@ def _read_journal(path: Path | None) -> dict[tuple[str, int], tuple[str, list[in
     out: dict[tuple[str, int], tuple[str, list[int]]] = {}
     if path is None or not path.is_file():
         return out
-    for line in path.read_text(encoding="utf-8").splitlines():
+    text = path.read_bytes()
+    if not text.endswith(b"\n"):  # cut by a kill mid-row: drop the piece, so that new rows start on a line of their own
+        with open(path, "r+b") as handle:
+            handle.truncate(text.rfind(b"\n") + 1)
+    for line in text.decode("utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
             out[(row["id"], int(row["turn"]))] = (row["prompt"], [int(t) for t in row["answer"]])
@@ -305,16 +310,17 @@ def _append_journal(path: Path | None, turn: int, asks: Sequence[_Ask]) -> None:
 
 
 def _generate_all(engine: Callable[[], object], asks: list[_Ask], config: RegenerateConfig, turn: int,
-                  journal: Path | None, progress: Progress | None, requests_per_call: int | None, before: int,
-                  planned: int) -> list[list[int]]:
+                  journal: Path | None, progress: Progress | None, requests_per_call: int | None,
+                  counts: tuple[int, int, int]) -> list[list[int]]:
     """The engine's answers to `asks` (also set on each), in order, `requests_per_call` at a time, journaled and
-    reported after each call; `before`: requests answered before these, of `planned` in all."""
+    reported after each call; `counts`: (requests answered before these, requests planned, tokens generated before)."""
+    before, planned, tokens_before = counts
     step = requests_per_call or len(asks)
     llm = engine()
     generate = llm.generate_ids if isinstance(llm, TokenGenerator) else partial(vllm_adapter.generate, llm)
     outputs: list[list[int]] = []
     if progress is not None:
-        progress(before, planned, 0)  # the engine is loaded: the rate counts from here
+        progress(before, planned, tokens_before)  # the engine is loaded: the rate counts from the first of these
     for start in range(0, len(asks), step):
         chunk = asks[start:start + step]
         finished = None if progress is None else (lambda n, b=before + len(outputs): progress(b + n, planned, None))
@@ -325,7 +331,7 @@ def _generate_all(engine: Callable[[], object], asks: list[_Ask], config: Regene
         _append_journal(journal, turn, chunk)
         outputs += answers
         if progress is not None:
-            progress(before + len(outputs), planned, sum(len(t) for t in outputs))
+            progress(before + len(outputs), planned, tokens_before + sum(len(t) for t in outputs))
     return outputs
 
 

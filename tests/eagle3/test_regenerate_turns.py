@@ -261,6 +261,30 @@ def test_a_scripted_reasoning_answer_is_split_and_dropped_from_the_next_prompt(t
     assert split_reasoning("cut off mid-thought", opened=True) == ("cut off mid-thought", "")
 
 
+def test_a_journal_row_cut_by_a_kill_is_answered_again_and_the_journal_stays_readable(tokenizer, tmp_path):
+    class ByPrompt:  # answers turn 2 ("And?" in the prompt) and turn 1 differently; counts what it is asked
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def generate_ids(self, prompts, **sampling):  # noqa: ANN001, ANN003, ANN201
+            self.asked += len(prompts)
+            return [tokenizer.encode("two" if "And?" in tokenizer.decode(p) else "one") for p in prompts]
+
+    conv = Conversation("c", (Message("user", "Hi"), Message("assistant", "x"), Message("user", "And?"),
+                              Message("assistant", "y")))
+    journal, config = tmp_path / JOURNAL, RegenerateConfig(max_turns=2)
+    whole = regenerate([conv], tokenizer, ByPrompt, config, 256, journal=journal).conversations
+    rows = journal.read_bytes()
+    journal.write_bytes(rows[: rows.rindex(b"{") + 10])  # the kill cut turn 2's row
+    engine = ByPrompt()
+    assert regenerate([conv], tokenizer, lambda: engine, config, 256, journal=journal).conversations == whole
+    assert engine.asked == 1  # turn 2 only
+    assert [json.loads(line)["turn"] for line in journal.read_text().splitlines()] == [1, 2]
+    again = ByPrompt()
+    assert regenerate([conv], tokenizer, lambda: again, config, 256, journal=journal).conversations == whole
+    assert again.asked == 0  # every turn journaled: no engine call
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("regenerate.chat_template_kwargs=true", "regenerate.chat_template_kwargs: Input should be a valid dictionary"),
     ("regenerate.chat_template_kwargs={enable_thinking: [1]}", "regenerate.chat_template_kwargs.enable_thinking"),
