@@ -351,7 +351,9 @@ def template_kwargs_problem(kwargs: Mapping[str, object], template: str | None, 
     except jinja2.TemplateSyntaxError:
         return None  # the tokenizer's own error says more, on first use
     unread = sorted(set(kwargs) - names)
-    if unread:
-        return (f"regenerate.chat_template_kwargs: {unread} not read by the chat template of {model_dir} (it reads "
-                f"{sorted(names - {'messages', 'add_generation_prompt'})}); check the spelling against the template")
-    return None
+    if not unread:
+        return None
+    others = sorted(names - {"messages", "add_generation_prompt"})
+    reads = f"it reads {others}" if others else "it reads no variable besides messages and add_generation_prompt"
+    return (f"regenerate.chat_template_kwargs: {unread} not read by the chat template of {model_dir} ({reads}); "
+            "check the spelling against the template, or remove the key (a template without the switch ignores it)")
