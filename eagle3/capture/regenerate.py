@@ -12,8 +12,9 @@ Qwen3's `enable_thinking`, Kimi-K2.5's `thinking`). A generated answer that hold
 (`<think>` ... `</think>`, or everything up to `</think>` when the template's generation prompt opened
 the block) keeps it as the turn's `reasoning_content`, apart from its content, as vLLM's reasoning
 parsers return it: the chat template then renders it, or drops it from later turns' history, as it
-does for the server. A truncated reasoning (no `</think>` within max_new_tokens) is all reasoning. A template that never
-reads `reasoning_content` would lose it, so there the answer stays one text, as before.
+does for the server. A truncated reasoning (no `</think>` within max_new_tokens) is all reasoning.
+A template that never reads `reasoning_content` would lose it, so there the answer stays one text,
+as before.
 
 Per-turn resume: every answer is appended to a journal (`turns.jsonl` in the stage's folder, one
 {"id", "turn", "prompt", "answer"} row each, `prompt` a hash of the prompt's token ids) as soon as
@@ -165,23 +166,17 @@ def regenerate(
     planned = sum(min(config.max_turns, sum(m.role == "assistant" for m in c.messages)) for c in conversations)
     for turn in range(1, config.max_turns + 1):
         asks = []
-        for dialog in dialogs:
-            ask = _next_ask(dialog, tokenizer, config, max_model_len) if dialog.turns == turn - 1 else None
-            if ask is None and dialog.turns == turn - 1:
-                skipped += turn == 1 and any(m.role == "assistant" for m in dialog.conv.messages)
-                planned -= _remaining(dialog, config.max_turns)
+        for dialog in (d for d in dialogs if d.turns == turn - 1):  # the ones that answered every turn so far
+            ask = _next_ask(dialog, tokenizer, config, max_model_len)
             if ask is not None:
                 asks.append(ask)
+                continue
+            skipped += turn == 1 and any(m.role == "assistant" for m in dialog.conv.messages)
+            planned -= _remaining(dialog, config.max_turns)
         if not asks:
             break
-        todo = []
-        for ask in asks:
-            key = (ask.dialog.conv.id, turn)
-            if key in done and done[key][0] == _prompt_hash(ask.ids):
-                ask.answer = done[key][1]
-                reused += 1
-            else:
-                todo.append(ask)
+        todo = [ask for ask in asks if not _from_journal(ask, done.get((ask.dialog.conv.id, turn)))]
+        reused += len(asks) - len(todo)
         answered += len(asks) - len(todo)
         if todo:
             outputs = _generate_all(engine, todo, config, turn, journal, progress, requests_per_call,
@@ -204,6 +199,14 @@ class _Lazy:
         if self._engine is None:
             self._engine = self._get()
         return self._engine
+
+
+def _from_journal(ask: _Ask, row: tuple[str, list[int]] | None) -> bool:
+    """Take the answer from the journal `row` (prompt hash, answer ids) when it answered this very prompt."""
+    if row is None or row[0] != _prompt_hash(ask.ids):
+        return False
+    ask.answer = row[1]
+    return True
 
 
 def _remaining(dialog: _Dialog, max_turns: int) -> int:
