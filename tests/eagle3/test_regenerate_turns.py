@@ -23,7 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eagle3 import stages
-from eagle3.artifacts import read_complete
+from eagle3.artifacts import StageRecord, read_complete
 from eagle3.capture import vllm_adapter
 from eagle3.capture.store import StoreReader
 from eagle3.capture.extract import ExtractConfig
@@ -283,6 +283,16 @@ def test_a_journal_row_cut_by_a_kill_is_answered_again_and_the_journal_stays_rea
     again = ByPrompt()
     assert regenerate([conv], tokenizer, lambda: again, config, 256, journal=journal).conversations == whole
     assert again.asked == 0  # every turn journaled: no engine call
+
+
+def test_the_template_variables_and_the_turns_are_in_the_fingerprints_also_without_regeneration(tmp_path):
+    data, target = DataConfig(source=str(_chats(tmp_path / "chats.jsonl"))), StageRecord(stage="t", uri="/t", fingerprint="t")
+    for enabled in (True, False):
+        base = RegenerateConfig(enabled=enabled)
+        fps = {stages.fingerprint_regenerate(c, data, target, 256) for c in (
+            base, base.model_copy(update={"chat_template_kwargs": ON}), base.model_copy(update={"chat_template_kwargs": OFF}),
+            base.model_copy(update={"max_turns": 3}))}
+        assert len(fps) == 4  # and prepare_data's, which hashes regenerate's
 
 
 @pytest.mark.parametrize(("override", "message"), [
