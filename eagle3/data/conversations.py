@@ -6,7 +6,8 @@ Sources:
   user/assistant turns.
 - a path to a JSONL file: one conversation per line, `{"id": str, "messages":
   [{"role": "system"|"user"|"assistant", "content": str}, ...], "source": str}` ("source"
-  optional).
+  optional; an assistant message may carry `"reasoning_content": str`, its reasoning, as vLLM's
+  OpenAI server returns it and as chat templates read it).
 - a list of those: the files (and builtin names) read in the order listed.
 
 Each sample may carry a *data source*, the kind of request it stands for, which evaluate
@@ -23,10 +24,19 @@ recorded as a BadRow with its line number, up to `data.max_bad_rows` of them (pe
 fails the load with a DataError naming the setting. The prepare_data stage writes the per-line
 report (`bad_rows.jsonl`) into its artifact and counts the rows in its stats.
 
-Preparation applies the tokenizer's chat template, marks the tokens of assistant turns
-(content and end-of-turn token, not the role header) as the ones to learn, truncates to
-`max_tokens`, drops samples with no assistant token left, and splits off a held-out set
-by a hash of the sample id (so the split does not move when samples are added).
+Preparation applies the tokenizer's chat template (with regenerate.chat_template_kwargs), marks
+the tokens of assistant turns (reasoning, content and end-of-turn token, not the role header) as
+the ones to learn, truncates to `max_tokens`, drops samples with no assistant token left, and
+splits off a held-out set by a hash of the conversation id (so the split does not move when
+samples are added).
+
+A conversation is one sample when the template renders it prefix-stably (each turn's tokens
+start with the tokens of the turns before it). A template that renders the history of a later
+turn differently (Qwen3's and Kimi-K2.5's drop the reasoning of earlier turns) gives one sample
+per such turn instead (`tokenize_turns`): the sample of turn k is the conversation up to turn k
+rendered as the server renders it when it serves turn k, and learns turn k's tokens only.
+
+Message content is turned into the template's message dicts in one place (`chat_messages`).
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import hashlib
 import importlib.util
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -110,6 +120,17 @@ class BadRow:
 class Message:
     role: Role
     content: str
+    reasoning: str | None = None  # an assistant turn's reasoning ("reasoning_content"); None: none given
+
+
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """Messages as the chat template (and our JSONL rows) take them: {"role", "content"} and, where an assistant
+    turn has reasoning, "reasoning_content" (the key vLLM's server returns and Qwen3's and Kimi's templates read)."""
+    out = []
+    for m in messages:
+        row = {"role": m.role, "content": m.content}
+        out.append(row if m.reasoning is None else row | {"reasoning_content": m.reasoning})
+    return out
 
 
 @dataclass(frozen=True)
@@ -192,12 +213,13 @@ def _parse_row(raw: bytes, line_no: int, seen: dict[str, int]) -> Conversation |
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         return "not a conversation; expected {'id', 'messages': [{'role', 'content'}, ...]}"
     if any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
-           for m in row["messages"]):
-        return "a message is not {'role': str, 'content': str}"
+           or not isinstance(m.get("reasoning_content", ""), str) for m in row["messages"]):
+        return "a message is not {'role': str, 'content': str} (with an optional 'reasoning_content': str)"
     bad = sorted({m["role"] for m in row["messages"]} - {"system", "user", "assistant"})
     if bad:
         return f"unknown role(s) {bad}; expected system, user or assistant"
-    empty = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant" and not m["content"].strip()]
+    empty = [i for i, m in enumerate(row["messages"])
+             if m["role"] == "assistant" and not m["content"].strip() and not m.get("reasoning_content", "").strip()]
     if empty:
         return f"assistant turn(s) {empty} (message index) empty or whitespace only"
     source = row.get("source")
@@ -207,7 +229,7 @@ def _parse_row(raw: bytes, line_no: int, seen: dict[str, int]) -> Conversation |
     if cid in seen:
         return f"duplicate id {cid!r} (first on line {seen[cid]})"
     seen[cid] = line_no
-    return Conversation(cid, tuple(Message(m["role"], m["content"]) for m in row["messages"]),
+    return Conversation(cid, tuple(Message(m["role"], m["content"], m.get("reasoning_content")) for m in row["messages"]),
                         None if source is None else source.strip())
 
 
@@ -296,7 +318,7 @@ def write_bad_rows(path: Path, source: str, bad: Sequence[BadRow]) -> None:
 def write_conversations(path: Path, conversations: Sequence[Conversation]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         for conv in conversations:
-            row = {"id": conv.id, "messages": [{"role": m.role, "content": m.content} for m in conv.messages]}
+            row = {"id": conv.id, "messages": chat_messages(conv.messages)}
             if conv.source is not None:
                 row["source"] = conv.source
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -311,32 +333,76 @@ class TokenizedSample:
     source: str | None = None  # its data source; None: none given
 
 
-def _template_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:  # noqa: ANN001
-    chat = [{"role": m.role, "content": m.content} for m in messages]
-    out = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=add_generation_prompt)
+def _template_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool,  # noqa: ANN001
+                  template_kwargs: Mapping[str, object] | None = None) -> list[int]:
+    """The chat template's token ids for `messages` (`template_kwargs`: regenerate.chat_template_kwargs)."""
+    out = tokenizer.apply_chat_template(chat_messages(messages), tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        **dict(template_kwargs or {}))
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
 
 
-def tokenize_conversation(tokenizer, conv: Conversation, max_tokens: int) -> TokenizedSample:  # noqa: ANN001
-    """Token ids of the whole conversation and a mask that is 1 on assistant tokens only."""
+def template_text(tokenizer, messages: Sequence[Message], add_generation_prompt: bool,  # noqa: ANN001
+                  template_kwargs: Mapping[str, object] | None = None) -> str:
+    """The chat template's text for `messages` (what _template_ids tokenizes)."""
+    return tokenizer.apply_chat_template(chat_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **dict(template_kwargs or {}))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_turns(tokenizer, conv: Conversation, max_tokens: int,  # noqa: ANN001
+                   template_kwargs: Mapping[str, object] | None = None) -> list[TokenizedSample]:
+    """The samples of a conversation (module docstring): one when the template is prefix-stable, else a new one
+    from each turn whose history the template renders differently, each cut to `max_tokens`. The first keeps the
+    conversation's id, a later one is `<id>#<k>` (k: the assistant turn, 1-based, it starts learning at)."""
+    segments: list[tuple[int, list[int], list[int]]] = []  # (first turn it learns, ids, mask)
     ids: list[int] = []
     mask: list[int] = []
+    first, turn = 1, 0
     for i, message in enumerate(conv.messages):
         if message.role == "assistant":
-            # the role header belongs to the prompt: measure it with add_generation_prompt
-            header = _template_ids(tokenizer, conv.messages[:i], add_generation_prompt=True)
-            mask.extend([0] * (len(header) - len(ids)))
-            ids = header
-        full = _template_ids(tokenizer, conv.messages[: i + 1], add_generation_prompt=False)
+            turn += 1
+            # the role header belongs to the prompt: it is the history as the server renders it for this turn
+            header = _template_ids(tokenizer, conv.messages[:i], True, template_kwargs)
+            if header[: len(ids)] != ids:  # the history reads differently now (earlier reasoning dropped): new sample
+                segments.append((first, ids, mask))
+                ids, mask, first = [], [], turn
+            mask, ids = mask + [0] * (len(header) - len(ids)), header
+        full = _template_ids(tokenizer, conv.messages[: i + 1], False, template_kwargs)
+        if message.role == "assistant":
+            # learned from the first token that differs from the header: where a tokenizer merges the answer's first
+            # characters with the header's last ones, that merged token is the first the target produced
+            keep = _common_prefix(ids, full)
+            ids, mask = full, mask[:keep] + [1] * (len(full) - keep)
+            continue
         if full[: len(ids)] != ids:
-            raise DataError(f"sample {conv.id!r}: the chat template is not prefix-stable; cannot build a loss mask")
-        mask.extend([1 if message.role == "assistant" else 0] * (len(full) - len(ids)))
-        ids = full
-        if len(ids) >= max_tokens:  # later turns only append (prefix-stable): they would be cut off anyway
-            break
-    return TokenizedSample(conv.id, ids[:max_tokens], mask[:max_tokens], conv.source)
+            segments.append((first, ids, mask))
+            ids, mask, first = [], [], turn + 1
+        mask, ids = mask + [0] * (len(full) - len(ids)), full
+    segments.append((first, ids, mask))
+    kept = [(f, i, m) for f, i, m in segments if i]
+    return [TokenizedSample(conv.id if n == 0 else f"{conv.id}#{f}", i[:max_tokens], m[:max_tokens], conv.source)
+            for n, (f, i, m) in enumerate(kept)]
+
+
+def tokenize_conversation(tokenizer, conv: Conversation, max_tokens: int,  # noqa: ANN001
+                          template_kwargs: Mapping[str, object] | None = None) -> TokenizedSample:
+    """Token ids of the whole conversation and a mask that is 1 on assistant tokens only (one sample: DataError when
+    the template renders a later turn's history differently, see tokenize_turns)."""
+    samples = tokenize_turns(tokenizer, conv, max_tokens, template_kwargs)
+    if len(samples) != 1:
+        raise DataError(f"sample {conv.id!r}: the chat template renders later turns' history differently; it gives "
+                        f"{len(samples)} samples (tokenize_turns), not one")
+    return samples[0]
 
 
 def is_heldout(sample_id: str, fraction: float, seed: int) -> bool:
