@@ -142,6 +142,9 @@ def profile_extract(model, samples, args, threads: int) -> None:  # noqa: ANN001
     with profile(activities=activities) as prof:
         seconds, _ = run_extract(model, samples, args.out_dir / "profiled", args, "bfloat16", threads)
     print(f"profiled extraction: {len(samples) * args.seq / seconds:,.0f} tokens/s (profiler on)", flush=True)
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))  # chrome://tracing or ui.perfetto.dev: the GPU's idle gaps, per thread
+        print(f"trace: {args.trace}", flush=True)
     for key in (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
         print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=50), flush=True)
 
@@ -158,6 +161,7 @@ def main() -> None:
     parser.add_argument("--disk-gib", type=float, default=4.0, help="GiB written to measure the disk")
     parser.add_argument("--profile", action="store_true",
                         help="after the table, profile one extraction of 4 batches (torch.profiler, CPU and CUDA)")
+    parser.add_argument("--trace", type=Path, help="with --profile: write the profile's chrome trace (JSON) here")
     parser.add_argument("--out-dir", type=Path, default=Path(".cache/extract-bench"), help="on the local disk")
     args = parser.parse_args()
     if args.tiny:

@@ -49,6 +49,7 @@ from eagle3.capture.store import StoreReader, StoreWriter  # noqa: E402
 from eagle3.config import build_config  # noqa: E402
 from eagle3.data import conversations  # noqa: E402
 from eagle3.data.target import HEAD_FILE, TargetInfo  # noqa: E402
+from eagle3.draft.architecture import DraftSettings  # noqa: E402
 from eagle3.draft.evaluate import simulate_acceptance  # noqa: E402
 from eagle3.draft.export import export_draft  # noqa: E402
 from eagle3.draft.served_eval import heldout_prompts, served_acceptance  # noqa: E402
@@ -247,7 +248,8 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     shutil.rmtree(root / "ours", ignore_errors=True)
     config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
                               checkpoint_every=max(1, steps // 8), seed=0, ttt_steps=args.ttt_steps,
-                              optimizer=args.optimizer, grad_accum=args.grad_accum)
+                              optimizer=args.optimizer, grad_accum=args.grad_accum,
+                              draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1))
     paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
     ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
     cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
@@ -258,7 +260,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
                           aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
     scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
     rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
-                 "optimizer": args.optimizer, "grad_accum": args.grad_accum,
+                 "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
                  "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
                  "cpu_s": ours_cpu, "wall_s": ours_wall,
                  "scoring_cpu_s": sum(scoring.values()),
@@ -334,6 +336,8 @@ def main() -> None:
                         help="our trainer's optimizer (train.optimizer; speculators' is Muon with AdamW)")
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="our trainer's micro-batches per step (train.grad_accum): the same epochs in fewer steps")
+    parser.add_argument("--eagle-3-1", action="store_true",
+                        help="our draft with EAGLE 3.1's fc_norm and norm_output (train.draft.fc_norm/norm_output)")
     parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
                         help="draft vocabulary size (vocab.draft_vocab_size), for both trainers")
     args = parser.parse_args()

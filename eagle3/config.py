@@ -16,9 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagle3.capture.extract import ExtractConfig, storage_dtype
-from eagle3.capture.regenerate import RegenerateConfig
+from eagle3.capture.regenerate import RegenerateConfig, template_kwargs_problem
 from eagle3.data.conversations import DataConfig
-from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems
+from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems, read_chat_template
 from eagle3.draft.architecture import DraftArchitectureError, read_text_config, resolve
 from eagle3.draft.ddp import DistError
 from eagle3.draft.evaluate import EvalConfig
@@ -82,6 +82,12 @@ class PipelineConfig(BaseModel):
             )
         if problem := online_problem(self):
             raise ValueError(problem)
+        if self.regenerate.enabled and self.regenerate.max_new_tokens >= self.target.max_model_len:
+            raise ValueError(
+                f"regenerate.max_new_tokens={self.regenerate.max_new_tokens} leaves no room for a prompt in "
+                f"target.max_model_len={self.target.max_model_len} (each turn's prompt plus its answer must fit); lower "
+                "regenerate.max_new_tokens or raise target.max_model_len (up to the target's own context)"
+            )
         if self.extract.parts > 1 and (problem := shared_root_problem(
                 self.artifact_root, f"extract.parts={self.extract.parts} runs the parts", "extract.parts=1")):
             raise ValueError(problem)
@@ -156,6 +162,9 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
         resolve(config.train.draft, read_text_config(Path(info.model_dir)), where=f"the target {info.model_dir}")
     except DraftArchitectureError as err:
         problems.append(str(err))
+    kwargs = config.regenerate.chat_template_kwargs
+    if kwargs and (problem := template_kwargs_problem(kwargs, read_chat_template(Path(info.model_dir)), info.model_dir)):
+        problems.append(problem)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems += parallel_problems(config.target, Path(info.model_dir), gpus)
     if config.target.data_parallel_size > 1 and config.extract.backend != "vllm":

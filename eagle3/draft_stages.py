@@ -20,11 +20,11 @@ from eagle3.capture.store import StoreReader
 from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
 from eagle3.draft.architecture import read_text_config, resolve
-from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, Progress, simulate_acceptance
+from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, Progress, SourceFigures, simulate_acceptance
 from eagle3.draft.export import export_draft
 from eagle3.draft.launch import resolve_num_processes, train_distributed
 from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
-from eagle3.draft.served_eval import ServedReport, heldout_prompts, served_acceptance
+from eagle3.draft.served_eval import ServedReport, heldout_prompt_rows, served_acceptance
 from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
@@ -281,10 +281,13 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
     target_config = read_target_config(Path(info.model_dir))
     head = load_target_head(target.path / HEAD_FILE, target_config)
     prompts: list[list[int]] = []
+    sources: list[str | None] = []  # each prompt's data source
     if config.served:
         limit = target_config.max_position_embeddings - config.served_max_new_tokens - config.num_draft_tokens - 1
         pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in reader)
-        prompts = heldout_prompts(pairs, config.served_max_prompts, limit)
+        rows = heldout_prompt_rows(pairs, config.served_max_prompts, limit)
+        by_index = reader.sample_sources()
+        prompts, sources = [p for _, p in rows], [by_index[i] for i, _ in rows]
     bar = _EvalProgress(progress, len(reader) + 2 * len(prompts))
     report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False,
                                  progress=bar.simulated)
@@ -293,18 +296,15 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
         served = served_acceptance(
             Path(info.model_dir), exported.path, prompts, num_draft_tokens=config.num_draft_tokens,
             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
-            kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap,
+            kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap, sources=sources,
         )
         bar.served(served.generated_tokens)
     with building(final) as tmp:
         plots = _plots(tmp, exported, report, served)
-        payload = {"simulated": {"acceptance_length": report.acceptance_length, "per_position": report.per_position,
-                                 "num_drafts": report.num_drafts,
-                                 "served_acceptance_length": report.served_acceptance_length,
-                                 "served_num_drafts": report.served_num_drafts},
-                   "served": served.to_dict() if served is not None else None, "plots": plots}
+        payload = {"simulated": report.to_dict(), "served": served.to_dict() if served is not None else None, "plots": plots}
         atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
-        atomic_write_text(tmp / "acceptance.md", _markdown(report, served, plots, _checkpoint_table(exported)))
+        atomic_write_text(tmp / "acceptance.md", _markdown(report, served, plots, _checkpoint_table(exported),
+                                                           _source_section(payload, served)))
         stats = {"acceptance_length": round(report.acceptance_length, 4), "num_drafts": report.num_drafts,
                  "per_position": json.dumps([round(p, 4) for p in report.per_position])}
         if served is not None:
@@ -316,6 +316,11 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                 stats["served_request_mean_acceptance_length"] = round(served.request_mean_acceptance_length, 4)
             if served.speedup is not None:
                 stats["served_speedup"] = round(served.speedup, 4)
+        if report.by_source:  # what the nightly gate compares per source
+            stats["per_source"] = json.dumps({f.source: {"acceptance_length": round(f.simulated, 4), "walk": round(f.walk, 4),
+                                                         "num_drafts": f.drafts, "served_acceptance_length":
+                                                         None if f.served is None else round(f.served, 4)}
+                                              for f in SourceFigures.from_payload(payload)})
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
 
 
@@ -374,10 +379,27 @@ def _checkpoint_table(exported: StageRecord) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _markdown(report: AcceptanceReport, served: ServedReport | None, plots: list[str], checkpoints: str = "") -> str:
+def _source_section(payload: dict, served: ServedReport | None) -> str:
+    """acceptance.md's figures per data source ('' when the held-out samples name none)."""
+    rows = SourceFigures.from_payload(payload)
+    if not rows:
+        return ""
+    if served is None:
+        note = "Served by vLLM: not run (evaluate.served is off)."
+    elif not served.per_source:
+        note = "Served by vLLM: this vLLM gave no per-request counters, so no served figure per source."
+    else:
+        note = "Served by vLLM: each source's requests pooled, 1 + accepted / drafts, as vLLM pools all of them."
+    return ("## Per data source\n\nThe figures above for each data source's held-out samples (simulated, and the "
+            "served-positions walk: the drafts a served run would make). " + note + "\n\n" + SourceFigures.markdown(rows))
+
+
+def _markdown(report: AcceptanceReport, served: ServedReport | None, plots: list[str], checkpoints: str = "",
+              sources: str = "") -> str:
     parts = ["# Acceptance\n", "## (a) Simulated on held-out hidden states\n", report.to_markdown()]
     parts += ["## (b) Served by vLLM (speculative decoding)\n",
               served.to_markdown() if served is not None else "Not run (evaluate.served is off).\n"]
+    parts += [sources] if sources else []
     parts += [checkpoints] if checkpoints else []
     parts += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})\n" for name in plots]
     return "\n".join(parts)

@@ -16,11 +16,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3.artifacts import StageRecord, building, mark_complete, read_complete, remove_stale_builds
+from eagle3.artifacts import (
+    StageRecord,
+    atomic_write_text,
+    building,
+    mark_complete,
+    read_complete,
+    remove_stale_builds,
+)
 from eagle3.capture import vllm_adapter
 from eagle3.capture.data_parallel import Split, extract_with_engines
 from eagle3.capture.extract import FAN_OUT_SETTINGS, ExtractConfig, check_inputs, extract_store, storage_dtype
-from eagle3.capture.regenerate import RUNTIME_REGENERATE_SETTINGS, RegenerateConfig, regenerate
+from eagle3.capture.regenerate import JOURNAL, RUNTIME_REGENERATE_SETTINGS, RegenerateConfig, regenerate
 from eagle3.data import conversations
 from eagle3.data.builtin_targets import default_cache_dir
 from eagle3.data.conversations import DataConfig, DataError
@@ -41,7 +48,7 @@ from eagle3.fingerprint import fingerprint, hash_files
 # Bump a stage's version when its output format or meaning changes.
 VERSIONS = {
     "stage_target": "1",
-    "regenerate": "1",
+    "regenerate": "2",  # 2: turn by turn (max_turns), reasoning kept apart (reasoning_content), template kwargs
     "prepare_data": "1",
     "extract": "1",
     "vocab": "1",
@@ -54,6 +61,10 @@ Progress = Callable[[int, int, int], None]  # (done, total, tokens processed so 
 # between calls (None: all at once). See eagle3.capture.regenerate for why the value is what it is.
 REGENERATE_REQUESTS_PER_CALL: int | None = None
 BAD_ROWS = "bad_rows.jsonl"  # prepare_data: the source rows skipped, one {"source", "line", "reason"} a line
+# In regenerate's fingerprint only when the data may name data sources (conversations.names_sources): an artifact
+# written before sources were kept does not carry them, and data without sources keeps its fingerprints.
+SOURCES_VERSION = "1"
+TEMPLATE_KWARGS = "chat_template_kwargs.json"  # regenerate: regenerate.chat_template_kwargs, which prepare_data renders with
 
 
 def stage_fingerprint(stage: str, settings: object, *upstream: str) -> str:
@@ -163,6 +174,8 @@ def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, ta
     source = hash_files(conversations.source_files(data_config.source))
     settings = {"regenerate": config.model_dump(mode="json", exclude=RUNTIME_REGENERATE_SETTINGS), "source": data_config.source,
                 "max_samples": data_config.max_samples}
+    if conversations.names_sources(data_config.source):
+        settings["sources"] = SOURCES_VERSION
     if not config.enabled:
         return stage_fingerprint("regenerate", settings, source)
     return stage_fingerprint("regenerate", settings | {"max_model_len": max_model_len}, source, target.fingerprint)
@@ -181,18 +194,23 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
             f"data.source={data_config.source!r}: none of its {len(chats)} conversations has an assistant turn; "
             "expected user/assistant conversations (prompts are the turns before the first assistant turn)"
         )
-    skipped, generated = 0, 0
+    skipped, generated, reused = 0, 0, 0
+    final.mkdir(parents=True, exist_ok=True)  # built in place: the per-turn journal outlives a killed run, marker last
     if config.enabled:
         tokenizer = _tokenizer(target, target_config.trust_remote_code)
         engine = (target_engine(target_config, target, load_log) if config.endpoint is None
                   else _once(lambda: _endpoint(config, target_config, target, tokenizer, load_log)))
         result = regenerate(answered, tokenizer, engine, config, target_config.max_model_len, progress=progress,
-                            requests_per_call=REGENERATE_REQUESTS_PER_CALL)
+                            requests_per_call=REGENERATE_REQUESTS_PER_CALL, journal=final / JOURNAL)
         answered, skipped, generated = result.conversations, result.skipped_too_long, result.generated_tokens
-    with building(final) as tmp:
-        conversations.write_conversations(tmp / "conversations.jsonl", answered)
-        stats = {"conversations": len(answered), "skipped": skipped, "generated_tokens": generated, "regenerated": int(config.enabled)}
-        return mark_complete(tmp, StageRecord(stage="regenerate", uri=str(final), fingerprint=fp, stats=stats))
+        reused = result.reused_turns
+    conversations.write_conversations(final / ".conversations.jsonl.tmp", answered)
+    os.replace(final / ".conversations.jsonl.tmp", final / "conversations.jsonl")
+    atomic_write_text(final / TEMPLATE_KWARGS, json.dumps(config.chat_template_kwargs))  # prepare_data renders with them
+    stats = {"conversations": len(answered), "skipped": skipped, "generated_tokens": generated,
+             "regenerated": int(config.enabled), "turns": sum(sum(m.role == "assistant" for m in c.messages) for c in answered),
+             "reused_turns": reused}
+    return mark_complete(final, StageRecord(stage="regenerate", uri=str(final), fingerprint=fp, stats=stats))
 
 
 # -- prepare_data ------------------------------------------------------------------------
@@ -213,18 +231,21 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
     _, bad_rows = conversations.load_source(config)  # the rows regenerate skipped, for the report (cheap: no tokenizing)
     tokenizer = _tokenizer(target, trust_remote_code)
     chats = conversations.load_conversations(DataConfig(source=str(regenerated.path / "conversations.jsonl"), max_samples=10**9))
+    kwargs_file = regenerated.path / TEMPLATE_KWARGS
+    template_kwargs = json.loads(kwargs_file.read_text()) if kwargs_file.is_file() else {}
     train, heldout, dropped, truncated = [], [], 0, 0
     for conv in chats:
-        sample = conversations.tokenize_conversation(tokenizer, conv, config.max_tokens)
-        truncated += len(sample.input_ids) == config.max_tokens
-        if sum(sample.loss_mask) == 0:
-            dropped += 1
-            continue
-        (heldout if conversations.is_heldout(sample.id, config.heldout_fraction, config.split_seed) else train).append(sample)
+        held = conversations.is_heldout(conv.id, config.heldout_fraction, config.split_seed)  # a conversation's samples stay together
+        for sample in conversations.tokenize_turns(tokenizer, conv, config.max_tokens, template_kwargs):
+            truncated += len(sample.input_ids) == config.max_tokens
+            if sum(sample.loss_mask) == 0:
+                dropped += 1
+                continue
+            (heldout if held else train).append(sample)
     if not train:
         raise DataError(
-            f"data.source={config.source!r}: no usable training sample ({len(chats)} conversations, {dropped} without "
-            f"an assistant token after truncation to data.max_tokens={config.max_tokens}, {len(bad_rows)} source rows skipped)"
+            f"data.source={config.source!r}: no usable training sample ({len(chats)} conversations, {dropped} samples "
+            f"without an assistant token after truncation to data.max_tokens={config.max_tokens}, {len(bad_rows)} source rows skipped)"
         )
     with building(final) as tmp:
         conversations.write_samples(tmp / "train.jsonl", train)
@@ -233,6 +254,10 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
         stats = {"train_samples": len(train), "heldout_samples": len(heldout), "dropped": dropped, "truncated": truncated,
                  "train_tokens": sum(len(s.input_ids) for s in train), "skipped_rows": len(bad_rows),
                  "bad_rows_report": str(final / BAD_ROWS)}
+        if any(s.source is not None for s in train + heldout):  # {source: [train samples, held-out samples]}
+            counts = {src: [sum(s.source == src for s in train), sum(s.source == src for s in heldout)]
+                      for src in dict.fromkeys(s.source for s in train + heldout)}
+            stats["sources"] = json.dumps(counts)
         return mark_complete(tmp, StageRecord(stage="prepare_data", uri=str(final), fingerprint=fp, stats=stats))
 
 

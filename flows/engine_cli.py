@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +81,7 @@ def _start(args: argparse.Namespace, cache: Path, fail: Callable[[str, int], int
 
 
 def _list(cache: Path, as_json: bool) -> int:
+    from eagle3.engine.client import stop_engine
     from eagle3.engine.registry import live_engines
 
     engines = [info for _, info in live_engines(cache)]
@@ -101,6 +100,7 @@ def _list(cache: Path, as_json: bool) -> int:
 
 
 def _stop(cache: Path, wanted: list[str], fail: Callable[[str, int], int]) -> int:
+    from eagle3.engine.client import stop_engine
     from eagle3.engine.registry import live_engines
 
     engines = [(home, info) for home, info in live_engines(cache) if not wanted or any(home.fingerprint.startswith(w) for w in wanted)]
@@ -111,23 +111,3 @@ def _stop(cache: Path, wanted: list[str], fail: Callable[[str, int], int]) -> in
     if not engines:
         print("no warm engine on this machine")
     return 0
-
-
-def stop_engine(home, info: dict, grace_s: float = 20.0) -> str:  # noqa: ANN001 - an EngineHome
-    """Stop one engine: asked through its socket, else SIGTERM, else SIGKILL; says how it went."""
-    from eagle3.engine.client import EngineError, EngineGone, connect
-    from eagle3.engine.registry import wait_gone
-    from eagle3.engine.registry import clear
-
-    try:
-        connect(home, info).release(stop=True)
-        how = "stopped"
-    except (EngineError, EngineGone):
-        os.kill(int(info["pid"]), signal.SIGTERM)
-        how = "did not answer: SIGTERM"
-    if not wait_gone(info, grace_s):
-        os.kill(int(info["pid"]), signal.SIGKILL)
-        how += f", SIGKILL after {grace_s:g} s"
-        wait_gone(info, 10.0)
-    clear(home)
-    return how

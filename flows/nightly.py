@@ -7,9 +7,10 @@ held-out set) -> publish (the gate)
 
 Files that were there last night come back Cached at every stage: only the new ones are
 regenerated and extracted. The gate (eagle3.ops.publish) compares both drafts on the same
-held-out set; a refused candidate ends the run Completed, with a "Not promoted" artifact,
-and the registry untouched. <run_dir>/nightly.json records files, shards extracted per
-file in this run, and the gate's decision.
+held-out set, pooled and per data source (the rows' "source" field); a refused candidate
+ends the run Completed, with a "Not promoted" artifact, and the registry untouched.
+<run_dir>/nightly.json records files, shards extracted per file in this run, and the gate's
+decision (with each data source's two figures when it compared sources).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from eagle3.data.target import TargetInfo
 from eagle3.fingerprint import fingerprint
 from eagle3.ops import incremental
 from eagle3.ops.nightly import NightlyConfig
-from eagle3.ops.publish import PublishedDraft, code_version, fetch_draft, read_current, utc_now
+from eagle3.ops.publish import PublishedDraft, code_version, fetch_draft, read_current, source_figures, utc_now
 from eagle3.ops.summary import RunSummary, loads_since, write_summary
 from flows.report import run_report
 from flows.runner import StageRunner, enter_work_dir, open_runner
@@ -104,6 +105,9 @@ def _report(run: StageRunner, run_dir: Path, outcome: dict, night: dict, trained
     gate = night.get("gate")
     verdict = (f"{'Promoted' if gate['promoted'] else 'Not promoted'}: {gate['reason']}" if isinstance(gate, dict)
                else "_the run ended before the gate_")
+    if isinstance(gate, dict) and gate.get("sources"):
+        verdict += "\n\n| data source | candidate | served |\n|---|---:|---:|\n" + "\n".join(
+            f"| {name} | {v['candidate']:.3f} | {v['served']:.3f} |" for name, v in gate["sources"].items())
     report = run_report(summary, run_dir, title="nightly-eagle3", sources=[trained.path if trained else None],
                         extra=["## Gate", verdict])
     create_markdown_artifact(key="eagle3-nightly-summary", markdown=report, description="stages, acceptance, gate")
@@ -114,7 +118,7 @@ def _candidate(exported: StageRecord, evaluated: StageRecord, assembled: StageRe
                warm: bool) -> PublishedDraft:
     return PublishedDraft(
         draft_id=exported.fingerprint[:16], acceptance_length=float(evaluated.stats["acceptance_length"]),
-        per_position=json.loads(str(evaluated.stats.get("per_position", "[]"))),
+        per_position=json.loads(str(evaluated.stats.get("per_position", "[]"))), per_source=source_figures(evaluated.stats),
         heldout_samples=int(assembled.stats["heldout_samples"]), train_samples=int(assembled.stats["train_samples"]),
         train_tokens=int(assembled.stats["train_tokens"]), data_files=json.loads(str(assembled.stats["files"])),
         parent_draft=served.draft_id if served else None, warm_start=warm, export_fingerprint=exported.fingerprint,
@@ -161,14 +165,16 @@ def nightly_eagle3(config: NightlyConfig) -> RunSummary:
             outcome["export_dir"] = exported.uri
             evaluated = _evaluate(run, p, "evaluate", target, exported, assembled)
             outcome |= {"acceptance_length": evaluated.stats["acceptance_length"], "evaluation": evaluated.uri}
-            in_service = None
+            in_service, in_service_sources = None, None
             if served is not None and parent is not None:  # the served draft, on the same held-out set
                 record = StageRecord(stage="export", uri=str(parent), fingerprint=served.export_fingerprint)
-                in_service = float(_evaluate(run, p, "evaluate (in service)", target, record, assembled).stats["acceptance_length"])
+                stats = _evaluate(run, p, "evaluate (in service)", target, record, assembled).stats
+                in_service, in_service_sources = float(stats["acceptance_length"]), source_figures(stats)
             vllm_adapter.release_all()
         night["gate"] = run.uncached("publish", nightly_tasks.publish_gate, config=config.publish,
                                      candidate=_candidate(exported, evaluated, assembled, served, warm),
-                                     served_acceptance=in_service, exported=exported, vocab=vocab)
+                                     served_acceptance=in_service, exported=exported, vocab=vocab,
+                                     served_sources=in_service_sources)
     finally:
         engine_pool.release_all(keep_warm=True)  # a failed run leaves its warm engine up for target.keep_warm_s
         outcome["target_loads"] = loads_since(load_log, started)

@@ -2,7 +2,8 @@
 
 Sections: the stage table (state, seconds, cache hit, artifact size, folder), the
 acceptance table (every evaluation in the evaluate artifact's acceptance.json: length and
-per-position acceptance), and the plots: every PNG in the evaluate and train artifacts is
+per-position acceptance; then, when the held-out samples name data sources, one row per source:
+simulated, walk and served), and the plots: every PNG in the evaluate and train artifacts is
 copied to <run_dir>/plots/ and shown inline (as a data URI, so the UI needs no file
 access); a plot too large to inline is linked by path.
 """
@@ -15,6 +16,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from eagle3.draft.evaluate import SourceFigures
 from eagle3.ops.summary import RunSummary, StageRow
 
 INLINE_LIMIT = 400_000  # bytes of PNG shown inline; larger ones are linked
@@ -58,7 +60,9 @@ def acceptance_table(evaluation: Path | None) -> str:
         per = [f"{p:.3f}" for p in block.get("per_position") or []] + [""] * width
         drafts = block.get("num_drafts", "")
         lines.append(f"| {name} | {block['acceptance_length']:.3f} | {drafts} | " + " | ".join(per[:width]) + " |")
-    return "\n".join(lines) + _served_lines(payload.get("served"))
+    per_source = SourceFigures.markdown(SourceFigures.from_payload(payload))
+    return "\n".join(lines) + _served_lines(payload.get("served")) + (
+        f"\n\nPer data source (acceptance length):\n\n{per_source}" if per_source else "")
 
 
 def _served_lines(served: dict | None) -> str:

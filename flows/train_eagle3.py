@@ -37,6 +37,7 @@ from eagle3 import draft_stages, stages
 from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig, check_against_target
+from eagle3.data.builtin_targets import default_cache_dir
 from eagle3.data.target import TargetInfo
 from eagle3.engine import pool as engine_pool
 from eagle3.ops import incremental, parts
@@ -99,6 +100,7 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
                               config=extract_config, target_config=target_config, prepared=prepared, target=target, load_log=load_log)
         if not online:  # free the target's memory before training: our warm engine stops, or sleeps (target.sleep_during_train)
             engine_pool.release_all(keep_warm=False, sleep=config.target.sleep_during_train)
+            engine_pool.make_room(default_cache_dir(), "", load_log)  # and other runs' idle engines on the GPUs: training needs them
             cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
     return target, prepared, extracted
 

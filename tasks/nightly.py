@@ -41,9 +41,12 @@ def warm_train(config: TrainConfig, target: StageRecord, extracted: StageRecord,
 
 @task(name="publish", cache_policy=NO_CACHE)
 def publish_gate(config: PublishConfig, candidate: PublishedDraft, served_acceptance: float | None,
-                 exported: StageRecord, vocab: StageRecord) -> dict[str, object]:
-    """Promote `candidate` when the gate lets it; either way leave a markdown artifact saying what happened."""
-    decision: GateDecision = publish.decide(candidate.acceptance_length, served_acceptance, config.tolerance)
+                 exported: StageRecord, vocab: StageRecord, served_sources: dict[str, float] | None = None) -> dict[str, object]:
+    """Promote `candidate` when the gate lets it; either way leave a markdown artifact saying what happened.
+    `served_sources`: the served draft's acceptance per data source on the candidate's held-out set."""
+    decision: GateDecision = publish.decide(candidate.acceptance_length, served_acceptance, config.tolerance,
+                                            candidate_sources=candidate.per_source, published_sources=served_sources,
+                                            max_source_regression=config.max_source_regression)
     if decision.promote:
         served = publish.publish(exported.path, vocab.path / publish.VOCAB, candidate, config.registry)
         where = f"Served draft: `{served.path}` (id `{served.draft_id}`, parent `{served.parent_draft}`)."
@@ -54,4 +57,6 @@ def publish_gate(config: PublishConfig, candidate: PublishedDraft, served_accept
                              description=f"nightly gate: {title.lower()}")
     get_run_logger().info("nightly gate: %s. %s", title, decision.reason)
     return {"promoted": decision.promote, "reason": decision.reason, "candidate": decision.candidate,
-            "served": decision.published, "tolerance": decision.tolerance, "draft_id": candidate.draft_id}
+            "served": decision.published, "tolerance": decision.tolerance, "draft_id": candidate.draft_id,
+            "sources": {name: {"candidate": c, "served": p} for name, (c, p) in decision.sources.items()},
+            "max_source_regression": config.max_source_regression}

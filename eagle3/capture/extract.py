@@ -209,7 +209,7 @@ def check_inputs(
         )
     log.warning("%s; truncated to their first %d tokens (extract.too_long='truncate')", what, limit)
     return [
-        s if len(s.input_ids) <= limit else TokenizedSample(s.id, s.input_ids[:limit], s.loss_mask[:limit])
+        s if len(s.input_ids) <= limit else TokenizedSample(s.id, s.input_ids[:limit], s.loss_mask[:limit], s.source)
         for s in samples
     ]
 
@@ -257,7 +257,7 @@ class HostStager:
     def stage(self, states: Sequence[torch.Tensor], dtype: torch.dtype) -> StagedBatch:
         lengths = [int(s.shape[0]) for s in states]
         starts = tuple(sum(lengths[:i]) for i in range(len(lengths)))
-        packed = torch.cat(list(states))  # n_prompts x [T_i, n_ids, H] -> [sum T_i, n_ids, H], on the capture device
+        packed = pack_states(states)  # n_prompts x [T_i, n_ids, H] -> [sum T_i, n_ids, H], on the capture device
         values, scales = encode_states(packed, dtype)  # on the device: fp8 quantizes before the copy
         if packed.device.type != "cuda":
             return StagedBatch(values, scales, starts, None)
@@ -269,6 +269,19 @@ class HostStager:
             ready = torch.cuda.Event()
             ready.record(stream)
         return StagedBatch(host_values, host_scales, starts, ready)
+
+
+def pack_states(states: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[sum T_i, n_ids, H]: a view when the prompts' states already lie back to back in one tensor (a capture batch
+    of equal lengths: its rows), else a copy (torch.cat): 0.5 GB less to copy on the GPU for an 8B batch."""
+    first = states[0]
+    end = first.data_ptr()
+    for state in states:
+        if (not state.is_contiguous() or state.data_ptr() != end or state.shape[1:] != first.shape[1:]
+                or state.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(list(states))
+        end += state.numel() * state.element_size()
+    return first.as_strided((sum(int(s.shape[0]) for s in states), *first.shape[1:]), first.stride())
 
 
 def _to_pinned(tensor: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -292,7 +305,8 @@ class _ShardJob:
         out = []
         for k, s in enumerate(self.samples):
             values, scales = self.staged.prompt(self.first + k, len(s.input_ids))  # [T, n_ids, H], [T, n_ids] | None
-            out.append(Sample(s.id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool), values, scales))
+            out.append(Sample(s.id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool), values, scales,
+                              source=s.source))
         writer.write_shard(self.index, out)
 
 

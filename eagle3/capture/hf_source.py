@@ -16,7 +16,8 @@ States stay on the model's device (extraction copies them to the host on a side 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -83,7 +84,7 @@ class HFSource:
         captured: dict[int, torch.Tensor] = {}
         hooks = [self.stack.layers[k - 1].register_forward_hook(self._hook(slot, k, captured, tokens.shape)) for slot, k in enumerate(ids)]
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), _no_packed_sequence_check():
                 self.stack.inner(input_ids=self._to_device(tokens), attention_mask=mask, use_cache=False)
         finally:
             for handle in hooks:
@@ -111,6 +112,26 @@ class HFSource:
             captured[slot] = state.detach()  # [B, T_max, H]
 
         return hook
+
+
+@contextlib.contextmanager
+def _no_packed_sequence_check() -> Iterator[None]:
+    """Skip transformers' search for packed sequences during our forward. With no attention mask and no cache,
+    every forward calls masking_utils.find_packed_sequence_indices(position_ids), whose `.all()` is a host sync:
+    the host then waits for the previous batch's kernels before it can queue this one's. A capture batch is never
+    packed (one prompt a row, right-padded, with an explicit mask when lengths differ), so the answer is known:
+    None, which is what the function returns for unpacked rows. Transformers without the function: nothing to do."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def load_hf_target(model_dir: str, *, dtype: str = "auto", device: str | None = None, trust_remote_code: bool = False) -> nn.Module:

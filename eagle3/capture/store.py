@@ -18,7 +18,10 @@ Inside a shard, sample j (0-based within the shard) has these tensors:
     "{j}.hidden_scales"  float32 [T, n_aux+1]  fp8 stores only: one scale per (token, layer)
                                                row; state = value * scale
 
-and the shard's safetensors metadata holds the sample ids as JSON ("sample_ids").
+and the shard's safetensors metadata holds the sample ids as JSON ("sample_ids"), and, when any
+sample names a data source (eagle3.data.conversations), their sources ("sample_sources", null
+for a sample without one), which the manifest lists too ("sources"); a store of data without
+sources has neither.
 Layer ids follow vLLM: id k is the hidden state entering decoder layer k.
 
 fp8 (`float8_e4m3fn`) stores keep one float32 scale per ROW (a token at one layer), set so
@@ -97,6 +100,7 @@ class Sample:
     loss_mask: torch.Tensor
     hidden_states: torch.Tensor
     hidden_scales: torch.Tensor | None = None
+    source: str | None = None  # its data source; None: none given
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +116,7 @@ class ShardEntry:
     num_tokens: int
     size: int
     sha256: str
+    sources: tuple[str | None, ...] | None = None  # each sample's data source; None: no sample names one
 
 
 # -- fp8 encoding (pure) -------------------------------------------------------------------
@@ -253,6 +258,8 @@ class StoreWriter:
         if ids != self.expected[index]:
             raise StoreError(f"shard {index} got samples {ids}, expected {self.expected[index]}")
         tensors: dict[str, torch.Tensor] = {}
+        sources = tuple(s.source for s in samples) if any(s.source is not None for s in samples) else None
+        metadata = {"sample_ids": json.dumps(list(ids))} | ({} if sources is None else {"sample_sources": json.dumps(sources)})
         for j, sample in enumerate(samples):
             values, scales = self._encoded(sample)
             tensors[f"{j}.input_ids"] = sample.input_ids.to(torch.int64).contiguous()
@@ -263,7 +270,7 @@ class StoreWriter:
         final = self.root / shard_name(index)
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
-            size, sha256 = write_safetensors(tmp, tensors, {"sample_ids": json.dumps(list(ids))})
+            size, sha256 = write_safetensors(tmp, tensors, metadata)
             os.replace(tmp, final)
         except OSError as err:  # a full disk, a quota, an I/O error: nothing under the final name
             tmp.unlink(missing_ok=True)
@@ -274,7 +281,8 @@ class StoreWriter:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        entry = ShardEntry(file=final.name, sample_ids=ids, num_tokens=sum(s.num_tokens for s in samples), size=size, sha256=sha256)
+        entry = ShardEntry(file=final.name, sample_ids=ids, num_tokens=sum(s.num_tokens for s in samples), size=size,
+                           sha256=sha256, sources=sources)
         with self._lock:
             self._entries[index] = entry
             try:
@@ -322,7 +330,7 @@ class StoreWriter:
         shards = []
         for i in range(len(self.expected)):
             entry = self._entries.get(i)
-            shards.append(None if entry is None else entry.__dict__ | {"sample_ids": list(entry.sample_ids)})
+            shards.append(None if entry is None else _manifest_line(entry))
         manifest = {
             "format_version": FORMAT_VERSION,
             "aux_layer_ids": self.aux_layer_ids,
@@ -336,6 +344,11 @@ class StoreWriter:
         atomic_write_text(self.root / MANIFEST, json.dumps(manifest, indent=1))
 
 
+def _manifest_line(entry: ShardEntry) -> dict:
+    line = {k: v for k, v in entry.__dict__.items() if k != "sources"} | {"sample_ids": list(entry.sample_ids)}
+    return line if entry.sources is None else line | {"sources": list(entry.sources)}
+
+
 def _entry(raw: dict, root: Path) -> ShardEntry:
     """A manifest line as a ShardEntry; its file must be a plain name inside `root` (a hand-edited
     manifest cannot make the reader open, or discard, a file elsewhere)."""
@@ -343,7 +356,9 @@ def _entry(raw: dict, root: Path) -> ShardEntry:
     if not isinstance(name, str) or not SHARD_FILE.fullmatch(name):
         raise StoreError(f"{root / MANIFEST}: shard file {name!r} is not a shard name inside the store "
                          "(expected e.g. shard-00000.safetensors); the manifest was edited: run the extract stage again")
-    return ShardEntry(name, tuple(raw["sample_ids"]), raw["num_tokens"], raw["size"], raw["sha256"])
+    sources = raw.get("sources")
+    return ShardEntry(name, tuple(raw["sample_ids"]), raw["num_tokens"], raw["size"], raw["sha256"],
+                      None if sources is None else tuple(sources))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -402,6 +417,10 @@ class StoreReader:
     def num_tokens(self) -> int:
         return sum(entry.num_tokens for entry in self.shards)
 
+    def sample_sources(self) -> list[str | None]:
+        """Each sample's data source, in store order (None: it names none), from the manifest: nothing is loaded."""
+        return [entry.sources[j] if entry.sources else None for entry in self.shards for j in range(len(entry.sample_ids))]
+
     def verify(self) -> None:
         """Raise StoreError naming the first shard whose size or checksum is wrong."""
         for entry in self.shards:
@@ -432,6 +451,7 @@ class StoreReader:
                 input_ids=handle.get_tensor(f"{j}.input_ids"),
                 loss_mask=handle.get_tensor(f"{j}.loss_mask"),
                 hidden_states=states,
+                source=entry.sources[j] if entry.sources else None,
             )
 
     def __iter__(self) -> Iterator[Sample]:

@@ -234,3 +234,25 @@ def parallel_problems(config: TargetConfig, model_dir: Path, visible_gpus: int, 
                         f"CPU build (one per rank), this process may use {cpu_cores}; set target.data_parallel_size to at most "
                         f"{max(1, cpu_cores // tp)}")
     return problems
+
+
+def read_chat_template(model_dir: Path) -> str | None:
+    """The target's default chat template, read from its files as transformers finds it (chat_template.jinja,
+    chat_template.json, or tokenizer_config.json's "chat_template", a string or a list of named templates); None
+    when it has none. Reads files only: no tokenizer code runs."""
+    model_dir = Path(model_dir)
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        if isinstance(template, str):
+            return template
+    return None

@@ -64,6 +64,16 @@ class DraftSettings(BaseModel):
     intermediate_size: int | None = Field(
         default=None, gt=0, description="deepseek_mla: width of the dense SwiGLU MLP (default: the target's "
         "intermediate_size, its dense layers' width).")
+    # EAGLE 3.1 (vLLM's blog 2026-05-26; speculators' and SpecForge's flags of the same names): both off by default,
+    # so a draft trained before them keeps its fingerprint and its export.
+    fc_norm: bool = Field(
+        default=False, description="EAGLE 3.1: an RMSNorm of its own on each of the target's aux states before fc "
+        "fuses them (concat(norm_a(h_a), norm_b(h_b), norm_c(h_c))), so no layer's scale dominates the fused input. "
+        "Exported as vLLM and speculators read it (config fc_norm, weights fc_norm.<i>.weight); vLLM 0.32 serves it.")
+    norm_output: bool = Field(
+        default=False, description="EAGLE 3.1: each draft step hands the NEXT step its hidden state after the final "
+        "norm (the one lm_head reads) instead of before it, against the magnitude drift of deeper draft steps. "
+        "Exported as config norm_output (no weights); vLLM 0.32 serves it.")
 
     @model_validator(mode="after")
     def _check(self) -> DraftSettings:
@@ -123,11 +133,14 @@ def draft_config_for(settings: DraftSettings, target_dir: Path, *, num_aux_hidde
 
     text = read_text_config(target_dir)
     chosen = resolve(settings, text, where=f"the target {target_dir}")
+    eagle_3_1 = {"fc_norm": chosen.fc_norm, "norm_output": chosen.norm_output}
     if chosen.architecture == "deepseek_mla":
-        return MLADraftConfig.from_target(text, chosen, num_aux_hidden_states=num_aux_hidden_states,
-                                          draft_vocab_size=draft_vocab_size)
-    return DraftConfig.from_target(read_target_config(target_dir), num_aux_hidden_states=num_aux_hidden_states,
-                                   draft_vocab_size=draft_vocab_size)
+        mla = MLADraftConfig.from_target(text, chosen, num_aux_hidden_states=num_aux_hidden_states,
+                                         draft_vocab_size=draft_vocab_size)
+        return mla.model_copy(update=eagle_3_1)
+    llama = DraftConfig.from_target(read_target_config(target_dir), num_aux_hidden_states=num_aux_hidden_states,
+                                    draft_vocab_size=draft_vocab_size)
+    return llama.model_copy(update=eagle_3_1)
 
 
 def draft_config_from_dict(values: dict) -> DraftConfig | MLADraftConfig:

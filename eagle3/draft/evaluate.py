@@ -12,12 +12,17 @@ of lm_head(norm(final state at t+1+j)).
 
 This is the number vLLM's spec-decode counters give (1 + accepted / drafts) when the
 draft is served, up to numeric near-ties between the two implementations.
+
+When the held-out samples name data sources (eagle3.data.conversations), the same figures are
+also given per source (`AcceptanceReport.by_source`): each source's drafts, counted and walked
+within its own samples, so the pooled figure is the drafts-weighted mean of the per-source ones.
+`SourceFigures` puts them beside the served figures per source for the reports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.capture.store import Sample, StoreReader
+from eagle3.data.conversations import UNLABELLED
 from eagle3.draft.export import load_exported_draft
 from eagle3.draft.model import Eagle3Draft, ttt_alignment
 from eagle3.draft.target_head import TargetHead, target_logits
@@ -70,6 +76,18 @@ class AcceptanceReport:
     # row t with a tokens accepted, the next one is at row t+a+1): what vLLM's counters show.
     served_acceptance_length: float = 1.0
     served_num_drafts: int = 0
+    num_samples: int = 0  # held-out samples scored
+    # the same figures per data source, when the samples name any (empty: they name none)
+    by_source: dict[str, AcceptanceReport] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """acceptance.json's "simulated" block; "per_source" only when the samples name data sources."""
+        out: dict[str, object] = {"acceptance_length": self.acceptance_length, "per_position": self.per_position,
+                                  "num_drafts": self.num_drafts, "served_acceptance_length": self.served_acceptance_length,
+                                  "served_num_drafts": self.served_num_drafts}
+        if self.by_source:
+            out["per_source"] = {name: r.to_dict() | {"num_samples": r.num_samples} for name, r in self.by_source.items()}
+        return out
 
     def to_markdown(self) -> str:
         positions = range(1, len(self.per_position) + 1)
@@ -109,11 +127,13 @@ def served_walk(rows: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     return chosen
 
 
-def report_from_counts(accepted: torch.Tensor, served: torch.Tensor, num_draft_tokens: int) -> AcceptanceReport:
+def report_from_counts(accepted: torch.Tensor, served: torch.Tensor, num_draft_tokens: int,
+                       num_samples: int = 0) -> AcceptanceReport:
     """accepted int64 [N], served bool [N] -> AcceptanceReport (no drafts: length 1, zeros)."""
     num = int(accepted.shape[0])
     if num == 0:
-        return AcceptanceReport(acceptance_length=1.0, per_position=[0.0] * num_draft_tokens, num_drafts=0)
+        return AcceptanceReport(acceptance_length=1.0, per_position=[0.0] * num_draft_tokens, num_drafts=0,
+                                num_samples=num_samples)
     per_position = [float((accepted > j).double().mean()) for j in range(num_draft_tokens)]
     return AcceptanceReport(
         acceptance_length=1.0 + float(accepted.double().mean()),
@@ -121,7 +141,63 @@ def report_from_counts(accepted: torch.Tensor, served: torch.Tensor, num_draft_t
         num_drafts=num,
         served_acceptance_length=1.0 + float(accepted[served].double().mean()),
         served_num_drafts=int(served.sum()),
+        num_samples=num_samples,
     )
+
+
+def report_by_source(per_sample: list[tuple[str | None, torch.Tensor, torch.Tensor]],
+                     num_draft_tokens: int) -> AcceptanceReport:
+    """Each sample's (data source, accepted int64 [N_i], served bool [N_i]) -> the pooled report, with `by_source`
+    filled when any sample names a source (samples without one are grouped as UNLABELLED)."""
+    def pooled(rows: list[tuple[str | None, torch.Tensor, torch.Tensor]]) -> AcceptanceReport:
+        accepted = torch.cat([torch.zeros(0, dtype=torch.int64)] + [a for _, a, _ in rows])  # [sum N_i]
+        served = torch.cat([torch.zeros(0, dtype=torch.bool)] + [w for _, _, w in rows])  # [sum N_i]
+        return report_from_counts(accepted, served, num_draft_tokens, num_samples=len(rows))
+
+    report = pooled(per_sample)
+    if all(source is None for source, _, _ in per_sample):
+        return report
+    names = sorted({source or UNLABELLED for source, _, _ in per_sample})
+    by_source = {name: pooled([row for row in per_sample if (row[0] or UNLABELLED) == name]) for name in names}
+    return replace(report, by_source=by_source)
+
+
+@dataclass(frozen=True)
+class SourceFigures:
+    """One data source's figures for the reports: simulated, the served-positions walk, and served by vLLM."""
+
+    source: str
+    samples: int
+    drafts: int
+    simulated: float
+    walk: float
+    served: float | None = None  # None: the served evaluation did not run, or vLLM gave no per-request counters
+    served_drafts: int = 0
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> list[SourceFigures]:
+        """The per-source figures of an acceptance.json payload (empty when its samples name no source)."""
+        simulated = (payload.get("simulated") or {}).get("per_source") or {}
+        served = (payload.get("served") or {}).get("per_source") or {}
+        return [cls(name, int(block.get("num_samples", 0)), int(block["num_drafts"]), float(block["acceptance_length"]),
+                    float(block["served_acceptance_length"]),
+                    float(served[name]["acceptance_length"]) if name in served else None,
+                    int(served[name]["num_drafts"]) if name in served else 0)
+                for name, block in simulated.items()]
+
+    @staticmethod
+    def markdown(rows: list[SourceFigures]) -> str:
+        """A table, one row per source ('' when there is none)."""
+        if not rows:
+            return ""
+        lines = ["| data source | held-out samples | drafts | simulated | walk | served (vLLM) | served drafts |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            served = f"{r.served:.3f}" if r.served is not None else "not run"
+            name = r.source.replace("|", "\\|")
+            lines.append(f"| {name} | {r.samples} | {r.drafts} | {r.simulated:.3f} | {r.walk:.3f} | {served} | "
+                         f"{r.served_drafts if r.served is not None else ''} |")
+        return "\n".join(lines) + "\n"
 
 
 @torch.no_grad()
@@ -186,17 +262,16 @@ def simulate_acceptance(
     head = target_head.to(torch.float32, device)
     was_training = model.training
     model.eval()
-    accepted, served = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.bool)]
+    per_sample: list[tuple[str | None, torch.Tensor, torch.Tensor]] = []  # (source, accepted [N_i], walked [N_i])
     reader = StoreReader(heldout_store_dir, verify=verify)
     scored = 0  # tokens
     try:
         for index, sample in enumerate(reader, start=1):
             rows, counts = sample_accepted(model, mapping, head, sample, num_draft_tokens, greedy_cache)
-            accepted.append(counts)
-            served.append(served_walk(rows, counts))
+            per_sample.append((sample.source, counts, served_walk(rows, counts)))  # the walk stays within a sample
             scored += sample.num_tokens
             if progress is not None:
                 progress(index, len(reader), scored)
     finally:
         model.train(was_training)
-    return report_from_counts(torch.cat(accepted), torch.cat(served), num_draft_tokens)
+    return report_by_source(per_sample, num_draft_tokens)

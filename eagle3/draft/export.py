@@ -53,6 +53,8 @@ def speculators_config(
         transformer_layer_config=draft.llama_config(),
         draft_vocab_size=draft.draft_vocab_size,
         norm_before_residual=draft.norm_before_residual,
+        fc_norm=draft.fc_norm,
+        norm_output=draft.norm_output,
         target_hidden_size=draft.hidden_size,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
         speculators_config=SpeculatorsConfig(
@@ -180,5 +182,7 @@ def _speculators_draft_config(raw: dict, export_dir: Path) -> DraftConfig:
         target_vocab_size=layer["vocab_size"],
         draft_vocab_size=raw["draft_vocab_size"],
         norm_before_residual=raw.get("norm_before_residual", True),  # vLLM's default when absent
+        fc_norm=bool(raw.get("fc_norm", False)),
+        norm_output=bool(raw.get("norm_output", False)),
     )
 

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from eagle3.draft.architecture import DraftArchitectureError, DraftSettings
-from eagle3.draft.model import _MLP, Eagle3Draft, RMSNorm, rotate_half
+from eagle3.draft.model import _MLP, Eagle3Draft, RMSNorm, fc_norms, rotate_half
 from eagle3.draft.target_head import rope_parameters_of
 from eagle3.draft.ttt_attention import TTTCache, ttt_attend
 
@@ -72,6 +72,9 @@ class MLADraftConfig(BaseModel):
     norm_before_residual: bool = Field(
         default=True, description="Use hidden_norm(hidden) rather than hidden as the attention residual (written "
         "to the export: vLLM's deepseek_eagle3 assumes False when the key is absent).")
+    fc_norm: bool = Field(default=False, description="EAGLE 3.1: an RMSNorm per aux state before fc (train.draft.fc_norm).")
+    norm_output: bool = Field(default=False, description="EAGLE 3.1: the next step reads the post-norm hidden "
+                              "(train.draft.norm_output).")
 
     @model_validator(mode="after")
     def _check(self) -> MLADraftConfig:
@@ -189,6 +192,7 @@ class Eagle3MLADraft(Eagle3Draft):
         self.config = config
         c = config
         self.fc = nn.Linear(c.num_aux_hidden_states * c.hidden_size, c.hidden_size, bias=False)
+        self.fc_norm = fc_norms(c)
         self.layers = nn.ModuleList([_MLALayer(c)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)

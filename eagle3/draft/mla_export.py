@@ -50,6 +50,8 @@ def vllm_config(draft: MLADraftConfig, *, aux_layer_ids: list[int], num_speculat
         "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
         "num_speculative_tokens": num_speculative_tokens,  # informative: vLLM takes it from speculative_config
+        # EAGLE 3.1, written only when on: an export without them is byte for byte what it was before they existed
+        **{flag: True for flag in ("fc_norm", "norm_output") if getattr(draft, flag)},
     }
 
 
@@ -70,6 +72,7 @@ def draft_config_of(raw: dict) -> MLADraftConfig:
         num_aux_hidden_states=len(raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
         target_vocab_size=raw["vocab_size"], draft_vocab_size=raw["draft_vocab_size"],
         norm_before_residual=raw.get("norm_before_residual", False),  # vLLM's deepseek_eagle3 default
+        fc_norm=bool(raw.get("fc_norm", False)), norm_output=bool(raw.get("norm_output", False)),
     )
 
 

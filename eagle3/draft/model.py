@@ -18,6 +18,9 @@ One layer, residual convention of vLLM/speculators:
     residual = hidden_norm(hidden);  x = cat[input_layernorm(emb), hidden_norm(hidden)]   [L, 2H]
     h = residual + o_proj(attn(x));  out = h + mlp(post_attention_layernorm(h))  [L, H]
     logits = lm_head(norm(out));  `out` (before the norm) is the next step's hidden.
+EAGLE 3.1 (train.draft.fc_norm, norm_output; both off by default): fc reads
+    cat[fc_norm.0(aux_0), fc_norm.1(aux_1), ...] instead of cat[aux_0, aux_1, ...], and the next
+    step's hidden is norm(out), the state lm_head reads, instead of `out`.
 That is norm_before_residual=True, speculators' default and vLLM's when the key is absent; with
 False the residual is `hidden` itself. On SmolLM2 (benchmarks/quality.py, 500 samples, 3 epochs)
 True gave simulated acceptance 1.798 against 1.622 for False.
@@ -73,6 +76,9 @@ class DraftConfig(BaseModel):
         default=True, description="Use hidden_norm(hidden) rather than hidden as the attention residual "
         "(speculators' default; vLLM's when the key is absent)."
     )
+    fc_norm: bool = Field(default=False, description="EAGLE 3.1: an RMSNorm per aux state before fc (train.draft.fc_norm).")
+    norm_output: bool = Field(default=False, description="EAGLE 3.1: the next step reads the post-norm hidden "
+                              "(train.draft.norm_output).")
 
     @model_validator(mode="after")
     def _check(self) -> DraftConfig:
@@ -193,6 +199,7 @@ class Eagle3Draft(nn.Module):
         self.config = config
         c = config
         self.fc = nn.Linear(c.num_aux_hidden_states * c.hidden_size, c.hidden_size, bias=False)
+        self.fc_norm = fc_norms(c)
         self.layers = nn.ModuleList([_Layer(c)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -201,7 +208,9 @@ class Eagle3Draft(nn.Module):
         self.rope_scaling = float(rotary.attention_scaling)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [L, n_aux, H] -> fused hidden [L, H]."""
+        """aux [L, n_aux, H] -> fused hidden [L, H] (EAGLE 3.1's fc_norm: each aux state normed by its own norm first)."""
+        if self.fc_norm is not None:
+            aux = torch.stack([norm(aux[:, i]) for i, norm in enumerate(self.fc_norm)], dim=1)  # [L, n_aux, H]
         return self.fc(aux.flatten(-2))  # [L, n_aux*H] -> [L, H]
 
     def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
@@ -255,10 +264,26 @@ class Eagle3Draft(nn.Module):
         cache = new_ttt_cache(doc_ids, length, hidden.device, hidden.dtype)  # hidden: bf16 under autocast
         for step in range(step_tokens.shape[0]):
             embeds = F.embedding(step_tokens[step], embed).to(hidden.dtype)  # [L, H]
-            hidden = self.step(embeds, hidden, positions + step, cache)  # [L, H]
-            yield self.logits(hidden)
+            out = self.step(embeds, hidden, positions + step, cache)  # [L, H]
+            logits, hidden = self.logits_and_next(out)
+            yield logits
+
+    def logits_and_next(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's output hidden [L, H] -> (draft logits [L, draft_vocab], the hidden the next step reads [L, H]):
+        `out` itself, or with EAGLE 3.1's norm_output the normed state lm_head reads (one norm either way)."""
+        if not self.config.norm_output:
+            return self.logits(out), out
+        normed = self.norm(out)
+        return self.lm_head(normed), normed
 
 
+
+
+def fc_norms(config: DraftConfig) -> nn.ModuleList | None:
+    """EAGLE 3.1's fc_norm: one RMSNorm per aux state (fc_norm.<i>.weight, as vLLM and speculators name them)."""
+    if not config.fc_norm:
+        return None
+    return nn.ModuleList([RMSNorm(config.hidden_size, config.rms_norm_eps) for _ in range(config.num_aux_hidden_states)])
 
 
 def ttt_alignment(

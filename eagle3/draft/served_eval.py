@@ -31,6 +31,11 @@ such steps. In float32 the two runs' gaps agree to about 1e-4 nats.
 
 A prompt is the part of a held-out sample before its first loss-masked (assistant) token:
 the chat up to and including the assistant header, which is what a user sends.
+
+When the prompts' samples name data sources, `ServedReport.per_source` gives the served
+acceptance per source from vLLM's per-request counters: 1 + the source's accepted draft
+tokens / its drafts, pooled over its requests as vLLM pools over all of them. A vLLM that
+gives no per-request counters gives no per-source served figure (the report says so).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3.capture import vllm_adapter
+from eagle3.data.conversations import UNLABELLED
 
 
 # vLLM's default `max_logprobs`: the most a request may ask for from an engine loaded without raising it.
@@ -128,6 +134,22 @@ class ServedReport:
     request_drafts: list[int] = field(default_factory=list)
     request_accepted: list[int] = field(default_factory=list)
     reference_tokens: int = 0  # tokens the run without the draft generated (generated_tokens: with it)
+    request_sources: list[str | None] = field(default_factory=list)  # each prompt's data source; empty: none named
+
+    @property
+    def per_source(self) -> dict[str, dict[str, float | int]]:
+        """Data source -> {acceptance_length, num_drafts, num_accepted_tokens, requests}, pooled over the source's
+        requests; empty when the prompts name no source or vLLM gave no per-request counters."""
+        if not self.request_sources or not any(self.request_sources) or not self.request_drafts:
+            return {}
+        out: dict[str, dict[str, float | int]] = {}
+        for name in sorted({s or UNLABELLED for s in self.request_sources}):
+            picked = [i for i, s in enumerate(self.request_sources) if (s or UNLABELLED) == name]
+            drafts = sum(self.request_drafts[i] for i in picked)
+            accepted = sum(self.request_accepted[i] for i in picked)
+            out[name] = {"acceptance_length": 1.0 + accepted / drafts if drafts else 1.0, "num_drafts": drafts,
+                         "num_accepted_tokens": accepted, "requests": len(picked)}
+        return out
 
     @property
     def request_acceptance(self) -> list[float]:
@@ -168,7 +190,8 @@ class ServedReport:
         return self.identical / judged if judged else 1.0
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self) | {"request_mean_acceptance_length": self.request_mean_acceptance_length,
+        return asdict(self) | {"per_source": self.per_source,
+                               "request_mean_acceptance_length": self.request_mean_acceptance_length,
                                "speedup": self.speedup, "tokens_per_second": self.tokens_per_second,
                                "identical_share": self.identical_share, "near_ties": self.near_ties,
                                "identical_share_outside_near_ties": self.identical_share_outside_near_ties,
@@ -242,12 +265,18 @@ def heldout_prompts(samples: Iterable[tuple[Sequence[int], Sequence[int]]], max_
     Samples without an assistant token, with no prompt before it, or with a prompt longer
     than `max_len` are skipped. At most `max_prompts`, in sample order.
     """
+    return [prompt for _, prompt in heldout_prompt_rows(samples, max_prompts, max_len)]
+
+
+def heldout_prompt_rows(samples: Iterable[tuple[Sequence[int], Sequence[int]]], max_prompts: int,
+                        max_len: int) -> list[tuple[int, list[int]]]:
+    """As heldout_prompts, each prompt with the index of its sample (to find the sample's data source)."""
     prompts = []
-    for input_ids, loss_mask in samples:
+    for index, (input_ids, loss_mask) in enumerate(samples):
         first = next((i for i, m in enumerate(loss_mask) if m), None)
         if first is None or first == 0 or first > max_len:
             continue
-        prompts.append([int(t) for t in input_ids[:first]])
+        prompts.append((index, [int(t) for t in input_ids[:first]]))
         if len(prompts) == max_prompts:
             break
     return prompts
@@ -284,8 +313,10 @@ def served_acceptance(
     dtype: str = "auto",
     kv_cache_gib: float = 1.0,
     near_tie_gap: float = 0.25,
+    sources: Sequence[str | None] = (),
 ) -> ServedReport:
-    """Serve the target with and without the draft on `prompts` (greedy) and compare; see the module docstring."""
+    """Serve the target with and without the draft on `prompts` (greedy) and compare; see the module docstring.
+    `sources`: each prompt's data source (empty: none), for the per-source served figures."""
     if not prompts:
         raise ValueError("no held-out prompts to serve; raise data.heldout_fraction or evaluate.served_max_prompts")
     max_model_len = max(len(p) for p in prompts) + max_new_tokens + num_draft_tokens + 1
@@ -311,7 +342,7 @@ def served_acceptance(
     finally:
         vllm_adapter.shutdown_engine(llm)
         del llm
-    return build_report(counters, spec, ref, num_draft_tokens, near_tie_gap, seconds_spec, seconds_ref)
+    return build_report(counters, spec, ref, num_draft_tokens, near_tie_gap, seconds_spec, seconds_ref, sources)
 
 
 def build_report(
@@ -322,8 +353,11 @@ def build_report(
     near_tie_gap: float,
     seconds_spec: float = 0.0,
     seconds_ref: float = 0.0,
+    sources: Sequence[str | None] = (),
 ) -> ServedReport:
-    """Turn counters and the two runs' outputs into a ServedReport (pure)."""
+    """Turn counters and the two runs' outputs into a ServedReport (pure); `sources`: each prompt's data source."""
+    if sources and len(sources) != len(spec):
+        raise ValueError(f"{len(sources)} prompt sources for {len(spec)} prompts; expected one source per prompt")
     drafts = counters.drafts
     per_pos = list(counters.accepted_per_position) + [0] * (num_draft_tokens - len(counters.accepted_per_position))
     divergences = [d for i, (s, r) in enumerate(zip(spec, ref, strict=True)) if (d := first_divergence(i, s, r))]
@@ -350,4 +384,5 @@ def build_report(
         agree_drift_max=drift[-1] if drift else 0.0,
         agree_drift_p99=drift[min(len(drift) - 1, int(0.99 * len(drift)))] if drift else 0.0,
         agree_drift_nonzero=sum(x > 0 for x in drift),
+        request_sources=list(sources) if any(sources) else [],
     )

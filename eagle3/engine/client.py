@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -269,3 +270,19 @@ def _start(home: EngineHome, spec: EngineSpec, keep_warm_s: float, owner: str, l
     return engine, {"event": "loaded", "model": spec.model_dir, "engine": home.fingerprint, "pid": engine.pid, "warm": True,
                     "seconds": info.get("load_seconds"), "wall_seconds": round(time.time() - started, 2),
                     "preflight": info.get("preflight"), "time": time.time()}
+
+
+def stop_engine(home: EngineHome, info: dict, grace_s: float = 20.0) -> str:
+    """Stop one engine: asked through its socket, else SIGTERM, else SIGKILL; says how it went."""
+    try:
+        connect(home, info).release(stop=True)
+        how = "stopped"
+    except (EngineError, EngineGone):
+        os.kill(int(info["pid"]), signal.SIGTERM)
+        how = "did not answer: SIGTERM"
+    if not wait_gone(info, grace_s):
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        how += f", SIGKILL after {grace_s:g} s"
+        wait_gone(info, 10.0)
+    clear(home)
+    return how

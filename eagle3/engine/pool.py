@@ -9,6 +9,9 @@
   before (eagle3.capture.vllm_adapter.acquire). An engine process is only worth its start-up
   when it may outlive the run: with keep_warm_s 0 a failed run's engine would stop at once.
 
+Before either, `make_room` stops the engines that hold GPUs for nobody: kept warm after another
+run failed, with no run attached (a run about to load another target needs those GPUs).
+
 `release_all(keep_warm)`: a run that finished its target stages stops the engine it started (its
 memory is free for training, as before); a run that failed only detaches (`keep_warm=True`),
 so the engine waits keep_warm_s for the same command again or Prefect's retry. An engine
@@ -20,13 +23,16 @@ sleep (LLM.sleep(level=1)) instead of stopping it, and the next run's first requ
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 from eagle3.capture import vllm_adapter
 from eagle3.capture.vllm_adapter import EngineSpec
-from eagle3.engine.client import WarmEngine, attach_or_start
-from eagle3.engine.registry import EngineHome, engine_fingerprint, engines_root, is_live, read_info, wait_gone
+from eagle3.engine.client import WarmEngine, attach_or_start, stop_engine
+from eagle3.engine.registry import EngineHome, engine_fingerprint, engines_root, is_live, live_engines, read_info, wait_gone
 
+log = logging.getLogger(__name__)
 _ATTACHED: dict[str, WarmEngine] = {}  # engine fingerprint -> the engine this process is attached to
 GPU_KEEP_WARM_S = 1800.0
 STOP_WAIT_S = 60.0
@@ -55,6 +61,7 @@ def acquire(spec: EngineSpec, target_fp: str, keep_warm_s: float, cache_dir: Pat
     fp = engine_fingerprint(spec, target_fp)
     if fp in _ATTACHED:
         return _ATTACHED[fp]
+    make_room(cache_dir, fp, spec.load_log)
     if keep_warm_s <= 0 and not is_live(read_info(EngineHome(engines_root(cache_dir) / fp))):
         return vllm_adapter.acquire(spec)
     release_all(keep_warm=True)  # one target at a time in this run
@@ -66,6 +73,29 @@ def acquire(spec: EngineSpec, target_fp: str, keep_warm_s: float, cache_dir: Pat
         register_own_process(run_dir, engine.pid)  # a dead engine's leftovers are ours to clean
     _ATTACHED[fp] = engine
     return engine
+
+
+def make_room(cache_dir: Path, fp: str, load_log: str | Path | None) -> list[dict]:
+    """Before this run loads or attaches: stop the warm engines that hold GPUs for nobody (kept warm after
+    another run failed, owner "run", no run attached, not asleep) and are not the one this run uses (`fp`).
+    Such an engine holds the GPU memory this run's target needs; keeping it would only save that other
+    run's retry a load, at the price of this run's. A user's engine (`eagle3 engine start`), an attached
+    one or a sleeping one is left, and on the CPU build (engines hold no GPU) nothing is stopped.
+    Each stop is a target_loads line ("stopped_idle_engine") and a warning."""
+    stopped = []
+    for home, info in live_engines(cache_dir):
+        if (home.fingerprint == fp or not info.get("cuda") or info.get("owner") != "run" or info.get("attached")
+                or info.get("sleeping")):
+            continue
+        how = stop_engine(home, info)
+        entry = {"event": "stopped_idle_engine", "engine": home.fingerprint, "engine_pid": info["pid"],
+                 "model": (info.get("spec") or {}).get("model_dir"), "how": how, "time": time.time(),
+                 "why": "kept warm for another run's retry, no run attached: its GPUs are needed for this run's target"}
+        log.warning("stopped the idle warm engine %s (pid %s, %s): %s", home.fingerprint, info["pid"], entry["model"],
+                    entry["why"])
+        record_load(load_log, entry)
+        stopped.append(entry)
+    return stopped
 
 
 def release_all(keep_warm: bool, sleep: bool = False) -> int:

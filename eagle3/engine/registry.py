@@ -23,6 +23,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -167,10 +168,38 @@ def wait_gone(info: dict, timeout_s: float) -> bool:
 
 
 def clear(home: EngineHome) -> None:
-    """Remove what a dead engine left: its record, socket and key (the log stays, for the reader)."""
+    """Remove what a dead engine left: its worker processes, record, socket and key (the log stays, for the reader)."""
     info = read_info(home) or {}
+    if info and not is_live(info):
+        kill_leftover_workers(info)
     for path in (home.info, home.key, Path(info.get("socket") or home.socket_path())):
         path.unlink(missing_ok=True)
+
+
+def kill_leftover_workers(info: dict) -> list[int]:
+    """SIGKILL the worker processes a dead engine recorded (its TP workers: vLLM's own watch stops them only
+    ~10 s after their engine dies, and on a GPU they hold memory until then); a pid that now names another
+    process (other start ticks) is left alone. Returns the pids killed."""
+    killed = []
+    for pid, ticks in info.get("workers") or []:
+        if process_identity(int(pid)) == ticks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+    return killed
+
+
+def clear_dead_engines(cache_dir: Path) -> list[str]:
+    """clear() every engine folder whose engine is gone (its workers killed); returns their fingerprints."""
+    root = engines_root(cache_dir)
+    cleared = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        home = EngineHome(folder)
+        info = read_info(home)
+        if info and info.get("ready") and not is_live(info):
+            clear(home)
+            cleared.append(home.fingerprint)
+    return cleared
 
 
 def live_engines(cache_dir: Path) -> list[tuple[EngineHome, dict]]:

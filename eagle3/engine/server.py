@@ -52,7 +52,7 @@ from pathlib import Path
 
 from eagle3.capture import vllm_adapter
 from eagle3.capture.tp_capture import shm_dir
-from eagle3.engine.registry import EngineHome, clear, process_identity, read_info, read_key, write_info
+from eagle3.engine.registry import EngineHome, clear, descendants, process_identity, read_info, read_key, write_info
 
 HEARTBEAT_S = 2.0
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -164,6 +164,7 @@ class EngineServer:
         set_socket_timeout(conn, 0)
         client = _Client(conn)
         self.clients.add(client)
+        self.jobs.put((client, ("_attached",)))  # the record says how many runs are attached (main thread writes it)
         try:
             while not self.stopping:
                 if conn.poll(0.5):
@@ -178,6 +179,9 @@ class EngineServer:
         kind = message[0]
         if kind == "_detached":
             self._detach(client)
+            return
+        if kind == "_attached":
+            self._note_attached()
             return
         beating = threading.Event()
         threading.Thread(target=self._heartbeat, args=(client, beating), daemon=True).start()
@@ -251,12 +255,29 @@ class EngineServer:
             self.source.close()
             self.source = None
 
+    def _note_attached(self) -> None:
+        """engine.json's `attached`: the runs connected now (a run about to load on the GPUs stops only idle engines)."""
+        write_info(self.home, (read_info(self.home) or self.record) | {"attached": len(self.clients)})
+
     def _detach(self, client: _Client) -> None:
         self.clients.discard(client)
         client.conn.close()
+        self._note_attached()
         if not self.clients:
             self._close_source()
             self.idle_since = time.monotonic()
+
+
+def _holds_gpus() -> bool:
+    """Whether this engine holds GPU memory (CUDA), which a run loading another target would need."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _workers() -> list[list[int]]:
+    """[pid, start ticks] of this engine's worker processes (TP workers): killed when the engine is found dead."""
+    return [[pid, ticks] for pid in descendants(os.getpid()) if (ticks := process_identity(pid)) is not None]
 
 
 def main(folder: str) -> int:
@@ -281,7 +302,8 @@ def main(folder: str) -> int:
     loaded = json.loads(loads[-1]) if loads else {}
     record = (read_info(home) or {}) | {"loaded_at": time.time(), "load_seconds": loaded.get("seconds", time.time() - started),
                                         "preflight": loaded.get("preflight"), "fingerprint": home.fingerprint,
-                                        "keep_warm_s": request["keep_warm_s"]}
+                                        "keep_warm_s": request["keep_warm_s"], "attached": 0,
+                                        "cuda": _holds_gpus(), "workers": _workers()}
     log.info("loaded %s in %.1f s; serving on %s", spec.model_dir, record["load_seconds"], home.socket_path())
     EngineServer(home, key, llm, float(request["keep_warm_s"]), record).serve()
     return 0

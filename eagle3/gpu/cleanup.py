@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from eagle3.gpu.nvml import (
     GpuCleanupError,
     GpuHolder,
+    MIB,
     GpuMemory,
     NvmlLike,
     NvmlUnavailableError,
@@ -373,6 +374,18 @@ def cleanup_gpus(
             opened.close()
 
 
+def warm_engine_mib(nvml: NvmlLike, gpus: tuple[GpuMemory, ...], kept: set[int]) -> dict[int, int | None]:
+    """MiB per GPU held by the live warm engines left alone (`kept`: their pids and their workers'): not counted
+    against the threshold, since a run attaches to them (the memory is the target it would load). None: NVML does
+    not say how much a kept engine uses on that GPU, so that GPU's memory cannot be verified."""
+    held: dict[int, int | None] = {}
+    for gpu in gpus:
+        procs = [p for p in nvml.processes(gpu.index) if p.pid in kept]
+        if procs:
+            held[gpu.index] = None if any(p.used_bytes is None for p in procs) else sum(p.used_bytes for p in procs) // MIB
+    return held
+
+
 def _cleanup(config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None,
              driver_note: str, warm: dict[int, str]) -> CleanupReport:
     before: tuple[GpuMemory, ...] = ()
@@ -387,11 +400,13 @@ def _cleanup(config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None,
         before = tuple(dataclasses.replace(g, threshold_mib=thresholds[g.index]) for g in before)
     holders = discover_holders(config.device_glob, config.holder_scan, nvml)
     own, protected = load_own_processes(run_dir), protected_pids()
-    targets, actions = [], []
+    targets, actions, kept_warm = [], [], set()
     for holder in holders:
         allowed, reason = decide(holder, config, own, protected, warm)
         if not allowed:
             actions.append(ProcessAction(holder.pid, holder.command, "skipped-by-policy", reason))
+            if holder.pid in warm:
+                kept_warm.add(holder.pid)
         elif config.dry_run:
             actions.append(ProcessAction(holder.pid, holder.command, "dry-run",
                                          f"would stop ({reason}): SIGTERM, SIGKILL after "
@@ -399,9 +414,11 @@ def _cleanup(config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None,
         else:
             targets.append(holder)
     actions += stop_processes(targets, config.grace_seconds, config.kill_wait_seconds)
-    after, verified = (), False
+    after, verified, warm_mib = (), False, {}
     if nvml is not None:
         thresholds = {g.index: g.threshold_mib for g in before}
+        warm_mib = warm_engine_mib(nvml, before, kept_warm)
+        thresholds = {i: None if warm_mib.get(i, 0) is None else t + warm_mib.get(i, 0) for i, t in thresholds.items()}
         if config.dry_run:
             after = memory_snapshot(nvml, thresholds)
             verified = not any(g.over_threshold for g in after)
@@ -413,6 +430,7 @@ def _cleanup(config: GpuCleanupConfig, run_dir: Path, nvml: NvmlLike | None,
         driver_note=driver_note, device_files=tuple(sorted(glob(config.device_glob))),
         holders=holders, actions=tuple(sorted(actions, key=lambda a: a.pid)),
         memory_before=before, memory_after=after, memory_verified=verified,
+        warm_engine_mib=tuple(sorted(warm_mib.items())),
     )
     if nvml is not None and not config.dry_run and not verified:
         # This process holds /dev/nvidia* through NVML itself; name it only if it uses memory.

@@ -66,6 +66,9 @@ class CleanupReport:
     memory_before: tuple[GpuMemory, ...]  # empty without a driver
     memory_after: tuple[GpuMemory, ...]
     memory_verified: bool  # every GPU ended under its threshold (False without a driver)
+    # (GPU, MiB) held by live warm engines left alone, added to that GPU's threshold; MiB None: NVML does not
+    # say, and that GPU is not verified
+    warm_engine_mib: tuple[tuple[int, int | None], ...] = ()
 
     def summary(self) -> str:
         """One line: mode, holders, what was done, whether memory was proven free."""
@@ -80,8 +83,10 @@ class CleanupReport:
         else:
             memory = "GPU memory under threshold" if self.memory_verified else \
                 "GPU memory NOT under threshold"
+        warm = "".join(f" GPU {i}: {'an unknown amount' if mib is None else f'{mib} MiB'} held by a live warm engine "
+                       "(left alone, not counted)." for i, mib in self.warm_engine_mib)
         return (f"gpu cleanup (mode {self.mode}{', dry run' if self.dry_run else ''}): "
-                f"{len(self.holders)} holder(s): {done}. {memory}.")
+                f"{len(self.holders)} holder(s): {done}. {memory}.{warm}")
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able, with the one-line summary."""

@@ -134,8 +134,8 @@ def _merge_store(parts: list[tuple[str | None, Path]], out: Path) -> dict[str, i
 def _merge_samples(parts: list[tuple[str | None, Path]], out: Path) -> None:
     with open(out, "w", encoding="utf-8") as handle:
         for label, path in parts:
-            for s in conversations.read_samples(path):
-                handle.write(json.dumps({"id": _label(label, s.id), "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
+            for s in conversations.read_samples(path):  # the data source travels with the sample
+                handle.write(json.dumps(conversations.sample_row(s) | {"id": _label(label, s.id)}) + "\n")
 
 
 def run_assemble(parts: list[tuple[str | None, StageRecord, StageRecord]], root: Path, fp: str) -> StageRecord:

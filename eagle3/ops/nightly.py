@@ -3,7 +3,8 @@
 The nightly run trains on every dated file under `incoming` (or the last `window_days`),
 starting from the served draft's weights when it can, and promotes the new draft into the
 registry only when the gate of eagle3.ops.publish lets it. `pipeline` holds the settings of
-every stage as in a train_eagle3 run; its data.source is replaced by each incoming file.
+every stage as in a train_eagle3 run; its data.source is replaced by each incoming file, so a
+sample's data source (which the gate compares per source) is its row's "source" field.
 """
 
 from __future__ import annotations

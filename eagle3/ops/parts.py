@@ -43,6 +43,8 @@ def part_file(index: int) -> str:
 def fingerprint_split(data: DataConfig, parts: int) -> str:
     source = hash_files(conversations.source_files(data.source))
     settings = {"source": data.source, "max_samples": data.max_samples, "max_bad_rows": data.max_bad_rows, "parts": parts}
+    if conversations.names_sources(data.source):  # part files written before sources were kept lack them
+        settings["sources"] = "1"
     return fingerprint("split_data", SPLIT_VERSION, settings, source)
 
 

@@ -15,18 +15,26 @@ never a half-copied folder. The gate promotes a candidate only when
 
     candidate acceptance >= published acceptance - tolerance
 
-measured on the same held-out set (the flow evaluates both drafts on it); the first draft
-is always promoted. A refused candidate leaves the registry untouched.
+and, when the held-out samples name data sources (eagle3.data.conversations), on every source
+
+    candidate acceptance on the source >= published acceptance on it - max_source_regression
+
+all measured on the same held-out set (the flow evaluates both drafts on it; simulated
+acceptance length). A served draft whose evaluation has no per-source figures (one evaluated
+before they existed, or a held-out set that names no source) is gated on the pooled figure
+alone, and the reason says so. The first draft is always promoted. A refused candidate leaves
+the registry untouched.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -55,6 +63,17 @@ class PublishConfig(BaseModel):
         description="Promote when candidate acceptance >= served acceptance - tolerance (same held-out set); "
         "negative: the candidate must be better by at least -tolerance",
     )
+    # 0.1: a source holds a share of the held-out set, so its figure rests on fewer drafts and moves more from night to
+    # night than the pooled one (a draft's accepted count spreads over 0..k, about 1 token of standard deviation at
+    # k=3: over 100 drafts the mean moves by about 0.1). Five times the pooled tolerance lets that noise through while
+    # a draft that gets one kind of request clearly worse (a tenth of a token per draft, 3-5% of a typical 2-3) is kept out.
+    max_source_regression: float = Field(
+        default=0.1, ge=-10.0, le=10.0,
+        description="Also refuse a candidate whose acceptance on ANY data source (the samples' 'source', see data.source) "
+        "is below the served draft's on that source minus this (same held-out set). 0.1 (five times the pooled "
+        "tolerance): a source's figure rests on fewer drafts and is noisier, while a tenth of a token per draft on "
+        "one kind of request is a loss users notice; negative: every source must improve by at least -value",
+    )
 
 
 class PublishedDraft(BaseModel):
@@ -67,6 +86,9 @@ class PublishedDraft(BaseModel):
         description="Folder name under drafts/: the export fingerprint's first 16 characters")
     acceptance_length: float = Field(description="Simulated acceptance length on the held-out set of its run")
     per_position: list[float] = Field(default_factory=list, description="Accepted share per draft position")
+    per_source: dict[str, float] = Field(
+        default_factory=dict, description="Simulated acceptance length per data source on the held-out set of its run "
+        "(empty: its samples named no source, or it was published before per-source figures)")
     heldout_samples: int = Field(description="Held-out samples it was evaluated on")
     train_samples: int = Field(description="Samples it was trained on")
     train_tokens: int = Field(description="Tokens it was trained on")
@@ -86,24 +108,61 @@ class GateDecision:
     published: float | None
     tolerance: float
     reason: str
+    # data source -> (candidate, served) acceptance on it; empty when the gate did not compare sources
+    sources: dict[str, tuple[float, float]] = field(default_factory=dict)
+    max_source_regression: float | None = None
 
     def to_markdown(self) -> str:
         verdict = "**Promoted**" if self.promote else "**Not promoted**: the served draft is unchanged"
         served = "none" if self.published is None else f"{self.published:.3f}"
-        return (f"{verdict}. {self.reason}\n\n| | acceptance length |\n|---|---:|\n| candidate | {self.candidate:.3f} |\n"
+        text = (f"{verdict}. {self.reason}\n\n| | acceptance length |\n|---|---:|\n| candidate | {self.candidate:.3f} |\n"
                 f"| served (same held-out set) | {served} |\n| tolerance | {self.tolerance:.3f} |")
+        if self.sources and self.max_source_regression is not None:
+            bar = self.max_source_regression
+            rows = [f"| {name} | {c:.3f} | {p:.3f} | {c - p:+.3f} | {'**worse**' if c < p - bar else 'ok'} |"
+                    for name, (c, p) in self.sources.items()]
+            text += (f"\n\nPer data source (publish.max_source_regression {self.max_source_regression:.3f}):\n\n"
+                     "| data source | candidate | served | change | gate |\n|---|---:|---:|---:|---|\n" + "\n".join(rows))
+        return text
 
 
-def decide(candidate: float, published: float | None, tolerance: float) -> GateDecision:
-    """The promotion gate: candidate >= published - tolerance; the first draft always passes."""
+def decide(candidate: float, published: float | None, tolerance: float, *,
+           candidate_sources: dict[str, float] | None = None, published_sources: dict[str, float] | None = None,
+           max_source_regression: float = 0.1) -> GateDecision:
+    """The promotion gate: candidate >= published - tolerance, and on every data source both drafts were measured on,
+    candidate >= published - max_source_regression (module docstring); the first draft always passes."""
     if published is None:
         return GateDecision(True, candidate, None, tolerance, "No draft is served yet: the first one is promoted.")
     bar = published - tolerance
-    if candidate >= bar:
-        return GateDecision(True, candidate, published, tolerance,
-                            f"Candidate {candidate:.3f} >= served {published:.3f} - tolerance {tolerance:.3f} = {bar:.3f}.")
-    return GateDecision(False, candidate, published, tolerance,
-                        f"Candidate {candidate:.3f} < served {published:.3f} - tolerance {tolerance:.3f} = {bar:.3f}.")
+    pooled = f"served {published:.3f} - tolerance {tolerance:.3f} = {bar:.3f}"
+    if candidate < bar:
+        return GateDecision(False, candidate, published, tolerance, f"Candidate {candidate:.3f} < {pooled}.")
+    reason = f"Candidate {candidate:.3f} >= {pooled}."
+    if not candidate_sources:
+        return GateDecision(True, candidate, published, tolerance, reason)
+    if not published_sources:
+        return GateDecision(True, candidate, published, tolerance, reason + (
+            " The served draft has no per-source figures on this held-out set (evaluated before per-source "
+            f"figures existed), so the candidate's {len(candidate_sources)} data sources were not compared: gated on "
+            "the pooled figure alone."))
+    both = {name: (value, published_sources[name]) for name, value in candidate_sources.items() if name in published_sources}
+    worse = sorted(((p - c, name) for name, (c, p) in both.items() if c < p - max_source_regression), reverse=True)
+    if worse:
+        named = "; ".join(f"Data source {name!r}: candidate {both[name][0]:.3f} < served {both[name][1]:.3f} - "
+                          f"publish.max_source_regression {max_source_regression:.3f} = "
+                          f"{both[name][1] - max_source_regression:.3f}" for _, name in worse)
+        return GateDecision(False, candidate, published, tolerance, f"{named} (pooled: {reason[:-1].lower()}).",
+                            both, max_source_regression)
+    return GateDecision(True, candidate, published, tolerance, reason + (
+        f" On each of the {len(both)} data sources the candidate is within publish.max_source_regression "
+        f"{max_source_regression:.3f} of the served draft (worst change "
+        f"{min(c - p for c, p in both.values()):+.3f})."), both, max_source_regression)
+
+
+def source_figures(stats: dict[str, object]) -> dict[str, float]:
+    """An evaluate record's simulated acceptance per data source (empty: none, e.g. evaluated before they existed)."""
+    raw = stats.get("per_source")
+    return {} if not raw else {name: float(block["acceptance_length"]) for name, block in json.loads(str(raw)).items()}
 
 
 def code_version() -> str:

@@ -38,7 +38,8 @@ STAGE_ORDER = ("stage_target", "regenerate", "prepare_data", "extract", "vocab",
 _KNOWN_ALTERNATIVES: dict[str, list[object]] = {"target.model": ["builtin:tiny", "builtin:smollm2"],
                                                 "train.rdzv_endpoint": ["node1.cluster:29400"],
                                                 "regenerate.endpoint": ["http://127.0.0.1:8000"],
-                                                "regenerate.api_key_env": ["VLLM_API_KEY"]}
+                                                "regenerate.api_key_env": ["VLLM_API_KEY"],
+                                                "regenerate.chat_template_kwargs": [{"enable_thinking": True}]}
 # Settings with one valid value: nothing to compare.
 _FIXED = {"target.pipeline_parallel_size"}
 

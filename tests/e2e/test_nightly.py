@@ -1,5 +1,6 @@
 """`eagle3 nightly` on the tiny preset against a real Prefect server: day 1 (first draft promoted),
-day 2 with new data (only its shards extracted) refused by the gate, then promoted."""
+day 2 with new data (only its shards extracted) refused by the gate, refused on a data source
+(the rows name two: "faq" and "chat"), then promoted."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ SMALL = ["pipeline.data.max_samples=14", "pipeline.regenerate.max_new_tokens=8",
 
 def _write_day(folder: Path, name: str, conversations) -> None:  # noqa: ANN001
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"id": c.id, "messages": [{"role": m.role, "content": m.content} for m in c.messages]} for c in conversations]
+    rows = [{"id": c.id, "messages": [{"role": m.role, "content": m.content} for m in c.messages],
+             "source": "faq" if i % 2 else "chat"} for i, c in enumerate(conversations)]
     (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -49,9 +51,10 @@ def nightly(tmp_path_factory, prefect_server, builtin_cache):
     _write_day(root / "incoming", "2026-01-01.jsonl", conversations[:14])
     _write_day(root / "incoming", "notes.jsonl", conversations[14:16])  # not dated: ignored
 
-    def night(today: str, tolerance: float):  # noqa: ANN202
+    def night(today: str, tolerance: float, max_source_regression: float = 10.0):  # noqa: ANN202
         args = ["nightly", "--preset", "tiny", "--incoming", str(root / "incoming"), "--registry", str(root / "registry"),
-                "--run-dir", str(root / "run"), "--set", f"today={today}", "--set", f"publish.tolerance={tolerance}"]
+                "--run-dir", str(root / "run"), "--set", f"today={today}", "--set", f"publish.tolerance={tolerance}",
+                "--set", f"publish.max_source_regression={max_source_regression}"]
         out = run_cli(args + [a for s in SMALL for a in ("--set", s)], env)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return json.loads((root / "run" / "nightly.json").read_text()), out.stdout
@@ -62,8 +65,11 @@ def nightly(tmp_path_factory, prefect_server, builtin_cache):
     _write_day(root / "incoming", "2026-01-03.jsonl", conversations[:2])  # dated tomorrow: waits
     refused = night("2026-01-02", -10.0)  # must beat the served draft by 10: impossible (k = 3)
     served_after_refusal = _tree(root / "registry")
+    by_source = night("2026-01-02", 10.0, -10.0)  # pooled passes; every source must improve by 10: impossible
+    served_after_source_refusal = _tree(root / "registry")
     promoted = night("2026-01-02", 10.0)
-    return {"root": root, "day1": day1, "refused": refused, "promoted": promoted,
+    return {"root": root, "day1": day1, "refused": refused, "promoted": promoted, "by_source": by_source,
+            "served_after_source_refusal": served_after_source_refusal,
             "served_day1": served_day1, "served_after_refusal": served_after_refusal}
 
 
@@ -81,6 +87,7 @@ def test_day1_promotes_the_first_draft(nightly):
     day1 = PublishedDraft.model_validate_json((registry / "drafts" / report["gate"]["draft_id"] / "metadata.json").read_text())
     assert day1.parent_draft is None and day1.data_files == ["2026-01-01"] and day1.acceptance_length >= 1.0
     assert day1.train_samples + day1.heldout_samples <= 14 and "+g" in day1.code_version
+    assert set(day1.per_source) == {"faq", "chat"}  # the rows' sources, evaluated one by one
 
 
 def test_day2_extracts_only_the_new_file_and_the_gate_refuses(nightly):
@@ -102,9 +109,21 @@ def test_day2_extracts_only_the_new_file_and_the_gate_refuses(nightly):
     assert Path(str(init_from)).resolve() == day1_draft.resolve()
 
 
+def test_day2_refused_on_a_data_source_names_it_and_both_figures(nightly):
+    report, stdout = nightly["by_source"]
+    gate = report["gate"]
+    assert not gate["promoted"] and "gate: not promoted" in stdout
+    assert set(gate["sources"]) == {"faq", "chat"}  # both drafts evaluated per source on the same held-out set
+    worst = max(gate["sources"], key=lambda n: gate["sources"][n]["served"] - gate["sources"][n]["candidate"])
+    figures = gate["sources"][worst]
+    assert (f"Data source {worst!r}: candidate {figures['candidate']:.3f} < served {figures['served']:.3f} - "
+            "publish.max_source_regression -10.000") in gate["reason"]
+    assert nightly["served_after_source_refusal"] == nightly["served_day1"]  # the registry was not touched
+
+
 def test_day2_promoted_when_the_gate_allows_with_nothing_extracted_again(nightly):
     report, _ = nightly["promoted"]
-    assert report["gate"]["promoted"]
+    assert report["gate"]["promoted"] and set(report["gate"]["sources"]) == {"faq", "chat"}
     assert [p["shards_extracted"] for p in report["parts"]] == [0, 0]
     current = _current(nightly["root"])
     assert current.parent_draft == nightly["day1"][0]["gate"]["draft_id"] and current.warm_start

@@ -82,6 +82,43 @@ def test_the_next_run_attaches_and_gets_what_an_in_process_engine_gives(warm, sp
     assert all((a == b).all() for a, b in zip(states, expected))
 
 
+def test_a_tp2_warm_engine_answers_as_tp1_and_its_workers_die_with_it(warm, spec, cache, tmp_path):
+    """A warm engine over two tensor-parallel workers (vLLM's mp executor, real worker processes on the CPU):
+    a run attached to it gets the TP=1 engine's states (within 1e-4, fp32) and greedy tokens. Killed with
+    kill -9, its workers are killed as soon as the next gpu_cleanup or attach finds it dead, not ~10 s later
+    when vLLM's own watch would stop them (on a GPU they hold memory until then)."""
+    import dataclasses
+
+    from eagle3.engine.registry import clear_dead_engines
+
+    tp_cache = tmp_path / "tp-engines"
+    tp2 = pool.acquire(dataclasses.replace(spec, tensor_parallel_size=2), TARGET_FP, 300, tp_cache)
+    try:
+        states = tp2.open_source(hidden_size=64, batch_tokens=1).capture([[1, 5, 9, 13], [2, 4]], [1, 2])
+        answers = _answers(tp2)
+    finally:
+        pool.release_all(keep_warm=True)
+    (home, info), = live_engines(tp_cache)
+    assert len(info["workers"]) >= 2, info["workers"]  # one a TP rank at least
+    one = pool.acquire(spec, TARGET_FP, 300, cache)  # the module's TP=1 warm engine
+    try:
+        expected, expected_answers = one.open_source(hidden_size=64, batch_tokens=1).capture([[1, 5, 9, 13], [2, 4]], [1, 2]), _answers(one)
+    finally:
+        pool.release_all(keep_warm=True)
+    assert answers == expected_answers
+    assert max(float((a - b).abs().max()) for a, b in zip(states, expected, strict=True)) <= 1e-4
+    os.kill(int(info["pid"]), signal.SIGKILL)
+    assert wait_gone(info, 10)
+    assert clear_dead_engines(tp_cache) == [home.fingerprint]
+    deadline = time.monotonic() + 2
+    while any(Path(f"/proc/{pid}").exists() for pid, _ in info["workers"]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # SIGKILL is delivered at once; the kernel reaps within moments
+    from eagle3.engine.registry import process_identity
+
+    assert [pid for pid, ticks in info["workers"] if process_identity(pid) == ticks] == []
+    assert not home.info.exists() and not Path(info["socket"]).exists()
+
+
 @pytest.mark.parametrize("change", [{"dtype": "bfloat16"}, {"max_model_len": 128}, {"tensor_parallel_size": 2}])
 def test_an_engine_whose_settings_differ_is_never_attached(warm, spec, cache, monkeypatch, change):
     import dataclasses
@@ -217,6 +254,44 @@ def test_an_engine_killed_mid_request_is_an_error_then_a_fresh_load_with_no_orph
     info = dict(fresh.info)
     assert wait_gone(info, 60), "the idle engine did not exit after keep_warm_s"
     assert not Path(info["socket"]).exists() and live_engines(cache) == []
+
+
+def _wait_attached(home: EngineHome, count: int) -> dict:
+    deadline = time.monotonic() + 30
+    while (read_info(home) or {}).get("attached") != count:
+        assert time.monotonic() < deadline, f"engine.json never said attached={count}: {read_info(home)}"
+        time.sleep(0.1)
+    return read_info(home)
+
+
+def test_a_run_about_to_load_another_target_stops_an_idle_engine_kept_on_the_gpus_and_no_other(spec, cache, monkeypatch):
+    """A failed run's engine, kept warm for its retry, holds GPUs that a run of another target needs: that run stops
+    it before loading (a target_loads line says which and why), but never an engine a run is attached to, nor a
+    user's (`eagle3 engine start`). FAKE GPU: the CPU build's engine holds no GPU, so the test sets the `cuda` flag
+    its record would carry on a GPU (and, for the user's engine, the owner its record would carry); the engine, the
+    stop and the other run's acquire are real."""
+    import dataclasses
+
+    from eagle3.engine.registry import write_info
+
+    home = EngineHome(engines_root(cache) / engine_fingerprint(spec, TARGET_FP))
+    kept = pool.acquire(spec, TARGET_FP, 300, cache)
+    write_info(home, _wait_attached(home, 1) | {"cuda": True})
+    monkeypatch.setattr(vllm_adapter, "acquire", lambda s: ("loaded in-process", s))
+    other = dataclasses.replace(spec, dtype="bfloat16")  # another engine: another target, or other settings
+    assert pool.acquire(other, TARGET_FP, 0, cache)[0] == "loaded in-process"
+    assert is_live(read_info(home))  # a run is attached to it: left alone
+    pool.release_all(keep_warm=True)  # that run failed: its engine waits for the retry
+    info = _wait_attached(home, 0)
+    write_info(home, info | {"owner": "user"})
+    pool.acquire(other, TARGET_FP, 0, cache)
+    assert is_live(info)  # a user's engine: left alone
+    write_info(home, info | {"owner": "run"})
+    pool.acquire(other, TARGET_FP, 0, cache)
+    assert wait_gone(info, 30) and live_engines(cache) == []
+    stopped = json.loads((cache / "loads.jsonl").read_text().splitlines()[-1])
+    assert stopped["event"] == "stopped_idle_engine" and stopped["engine_pid"] == kept.pid == info["pid"]
+    assert "another run's retry" in stopped["why"] and stopped["how"] == "stopped"
 
 
 def test_the_hf_backends_load_is_recorded_like_an_engines(builtin_cache, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3.capture.store import Sample, StoreWriter
@@ -116,3 +117,21 @@ def test_plots_are_written_as_png_and_refuse_an_empty_log(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "loss.png", "simulated-only.png"]
     with pytest.raises(ValueError, match="losses.jsonl"):
         plot_training_loss([], [], tmp_path / "empty.png")
+
+
+def test_figures_per_source_are_each_source_s_own_drafts_and_pool_back_to_the_whole():
+    from eagle3.draft.evaluate import report_by_source
+
+    def row(source, accepted, walked):  # noqa: ANN001, ANN202
+        return source, torch.tensor(accepted, dtype=torch.int64), torch.tensor(walked, dtype=torch.bool)
+
+    report = report_by_source([row("a", [3, 0], [True, False]), row("b", [1], [True]), row("a", [2], [True])], 3)
+    assert report.acceptance_length == pytest.approx(2.5) and report.num_samples == 3
+    a, b = report.by_source["a"], report.by_source["b"]
+    assert (a.acceptance_length, a.num_drafts, a.num_samples) == (pytest.approx(1 + 5 / 3), 3, 2)
+    assert (a.served_acceptance_length, a.served_num_drafts) == (pytest.approx(3.5), 2)  # the walk within "a"
+    assert b.acceptance_length == pytest.approx(2.0) and b.per_position == [1.0, 0.0, 0.0]
+    assert report.to_dict()["per_source"]["a"]["num_samples"] == 2
+    assert report_by_source([row(None, [1], [True])], 3).by_source == {}  # no source named: pooled only, as before
+    assert "per_source" not in report_by_source([row(None, [1], [True])], 3).to_dict()
+    assert set(report_by_source([row("a", [1], [True]), row(None, [0], [True])], 3).by_source) == {"a", "(no source)"}

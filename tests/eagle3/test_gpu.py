@@ -279,6 +279,35 @@ def test_mode_own_leaves_a_live_warm_engine_unless_asked_and_stops_a_dead_ones_l
     assert outcomes(report) == {engine.pid: "terminated"} and not alive(engine.pid, engine.start_ticks)
 
 
+def test_the_memory_of_a_warm_engine_left_alone_does_not_fail_the_run_that_attaches_to_it(spawn, devices, tmp_path):
+    """On a GPU, the warm engine's memory IS the target the retry attaches to: verifying that the GPUs are free
+    must not count it (else the retry that should attach fails at gpu_cleanup), while a stranger's memory still
+    fails the run, and a GPU whose warm-engine memory NVML does not report is said to be unverified."""
+    import socket
+
+    from eagle3.engine.registry import home_for, in_use_pids, write_info
+
+    engine = spawn.holder(devices[0])
+    home = home_for(tmp_path / "cache", "e" * 20)
+    write_info(home, {"pid": engine.pid, "start_ticks": engine.start_ticks, "host": socket.gethostname(), "ready": True,
+                      "spec": {"model_dir": "m"}})
+    nvml = FakeNvml([80_000])
+    nvml.hold(0, engine, 60_000)
+    warm = in_use_pids(tmp_path / "cache")
+    report = cleanup_gpus(config(devices, verify_timeout_seconds=0.2), tmp_path, nvml=nvml, warm=warm)
+    assert report.memory_verified and outcomes(report) == {engine.pid: "skipped-by-policy"}
+    assert report.warm_engine_mib == ((0, 60_000),) and "60000 MiB held by a live warm engine" in report.summary()
+    stranger = spawn.holder(devices[0])
+    nvml.hold(0, stranger, 2_000)
+    with pytest.raises(GpuBusyError, match="live warm engine"):
+        cleanup_gpus(config(devices, verify_timeout_seconds=0.2), tmp_path, nvml=nvml, warm=warm)
+    unknown = FakeNvml([80_000])
+    unknown.hold(0, engine, None)
+    report = cleanup_gpus(config(devices, verify_timeout_seconds=0.2), tmp_path, nvml=unknown, warm=warm)
+    assert report.warm_engine_mib == ((0, None),) and "an unknown amount held by a live warm engine" in report.summary()
+    assert alive(engine.pid, engine.start_ticks)
+
+
 def test_a_reused_pid_is_never_taken_for_ours(spawn, devices, tmp_path):
     proc = spawn.holder(devices[0])
     register_own_process(tmp_path, proc.pid)

@@ -154,3 +154,19 @@ def test_a_writer_error_is_raised_in_the_caller_and_the_threads_stop(tmp_path):
                 pool.submit(job)
     assert _writer_threads() == []
     assert 1 in writer.pending()
+
+
+def test_packing_a_batch_is_a_view_when_its_rows_lie_back_to_back_and_a_copy_otherwise():
+    """The stager's pack of one capture batch: rows of equal length are already [sum T, n, H] in memory (no copy on
+    the GPU), padded rows are copied; either way the values are the prompts' own rows, in prompt order."""
+    from eagle3.capture.extract import pack_states
+
+    batch = torch.randn(3, 5, 2, 4)  # [B, T_max, n_ids, H], as the HF capture returns it
+    equal = [batch[row, :5] for row in range(3)]
+    packed = pack_states(equal)
+    assert packed.data_ptr() == batch.data_ptr() and torch.equal(packed, batch.reshape(15, 2, 4))
+    padded = [batch[0, :5], batch[1, :2], batch[2, :4]]
+    packed = pack_states(padded)
+    assert packed.data_ptr() != batch.data_ptr() and torch.equal(packed, torch.cat(padded))
+    apart = [torch.randn(2, 2, 4), torch.randn(3, 2, 4)]  # separate tensors: copied
+    assert torch.equal(pack_states(apart), torch.cat(apart))

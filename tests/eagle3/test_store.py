@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,17 @@ def test_wrong_shape_is_an_error_and_writes_nothing(tmp_path: Path):
     with pytest.raises(StoreError, match="shape"):
         writer.write_shard(0, [bad])
     assert not list(tmp_path.glob("shard-*"))
+
+
+def test_each_sample_keeps_its_data_source_and_a_store_without_sources_names_none(tmp_path: Path):
+    samples = [replace(s, source=src) for s, src in zip(_samples(["a", "b", "c"]), ["code", None, "chat"])]
+    writer = _writer(tmp_path / "named", [["a", "b"], ["c"]])
+    writer.write_shard(0, samples[:2])
+    writer.write_shard(1, samples[2:])
+    reader = StoreReader(tmp_path / "named")
+    assert [s.source for s in reader] == ["code", None, "chat"] == reader.sample_sources()
+    plain = _writer(tmp_path / "plain", [["a", "b", "c"]])
+    plain.write_shard(0, _samples(["a", "b", "c"]))
+    assert StoreReader(tmp_path / "plain").sample_sources() == [None, None, None]
+    manifest = json.loads((tmp_path / "plain" / MANIFEST).read_text())
+    assert "sources" not in manifest["shards"][0]  # the manifest of a store without sources is as before

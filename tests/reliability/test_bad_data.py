@@ -30,6 +30,8 @@ BAD = {  # line content -> what the report must say
     _row("blank", answer="  \n\t "): "empty or whitespace only",
     b'{"id": "latin1", "messages": [{"role": "user", "content": "caf\xe9"}]}\n': "not valid UTF-8",
     _row("good-0"): "duplicate id 'good-0' (first on line 1)",
+    json.dumps({"id": "src", "source": 7, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    .encode() + b"\n": "'source' is 7; expected a non-empty string",
 }
 
 
@@ -54,7 +56,7 @@ def test_bad_rows_are_skipped_and_reported_with_line_numbers(target, tmp_path):
     prepared = _prepare(root, record, DataConfig(source=str(source), max_tokens=200, heldout_fraction=0.0))
     assert prepared.stats["skipped_rows"] == len(BAD)
     report = [json.loads(line) for line in Path(prepared.stats["bad_rows_report"]).read_text().splitlines()]
-    assert [r["line"] for r in report] == [2, 3, 4, 5, 6]
+    assert [r["line"] for r in report] == list(range(2, 2 + len(BAD)))
     for row, (_, expected) in zip(report, BAD.items()):
         assert expected in row["reason"] and row["source"] == str(source)
     assert prepared.stats["train_samples"] == len(GOOD) + 1 and prepared.stats["truncated"] >= 1
