@@ -10,6 +10,7 @@ renamed into place only when whole.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -31,6 +32,7 @@ from eagle3.capture.regenerate import JOURNAL, RUNTIME_REGENERATE_SETTINGS, Rege
 from eagle3.data import conversations
 from eagle3.data.builtin_targets import default_cache_dir
 from eagle3.data.conversations import DataConfig, DataError
+from eagle3.data.images import image_urls, placeholder_id
 from eagle3.data.target import (
     HEAD_FILE,
     INFO_FILE,
@@ -114,8 +116,11 @@ def run_stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str)
     return record
 
 
-def engine_spec(config: TargetConfig, target: StageRecord, load_log: Path | None) -> vllm_adapter.EngineSpec:
-    return spec_from_info(config, TargetInfo.read(target.path), load_log)
+def engine_spec(config: TargetConfig, target: StageRecord, load_log: Path | None, images: bool = False) -> vllm_adapter.EngineSpec:
+    """`images`: the data holds images, so a multimodal target loads its vision tower (text-only data: the spec as
+    before, language_model_only)."""
+    spec = spec_from_info(config, TargetInfo.read(target.path), load_log)
+    return dataclasses.replace(spec, language_model_only=False) if images else spec
 
 
 def spec_from_info(config: TargetConfig, info: TargetInfo, load_log: Path | None) -> vllm_adapter.EngineSpec:
@@ -128,10 +133,11 @@ def spec_from_info(config: TargetConfig, info: TargetInfo, load_log: Path | None
     )
 
 
-def target_engine(config: TargetConfig, target: StageRecord, load_log: Path) -> Callable[[], object]:
+def target_engine(config: TargetConfig, target: StageRecord, load_log: Path, images: bool = False) -> Callable[[], object]:
     """The target's vLLM engine, asked for on first use: a warm engine (attached, or started when
-    target.keep_warm_s > 0) or the in-process pool (eagle3.engine.pool); a load or attach is a line of `load_log`."""
-    spec = engine_spec(config, target, load_log)
+    target.keep_warm_s > 0) or the in-process pool (eagle3.engine.pool); a load or attach is a line of `load_log`.
+    `images`: as engine_spec's."""
+    spec = engine_spec(config, target, load_log, images)
     keep = engine_pool.keep_warm_seconds(config.keep_warm_s)
     fp = TargetInfo.read(target.path).content_fingerprint
     run_dir = Path(load_log).parent.parent  # <run_dir>/logs/target_loads.jsonl
@@ -176,6 +182,11 @@ def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, ta
                 "max_samples": data_config.max_samples}
     if conversations.names_sources(data_config.source):
         settings["sources"] = SOURCES_VERSION
+    if conversations.has_parts(data_config.source):  # content parts checked (DataError) before any load
+        chats = conversations.load_conversations(data_config)
+        images = conversations.check_content(chats, TargetInfo.read(target.path).model_dir)
+        if images:  # sha256 of each image's bytes: a changed image moves this and every later stage
+            settings["images"] = sorted(images.items())
     if not config.enabled:
         return stage_fingerprint("regenerate", settings, source)
     return stage_fingerprint("regenerate", settings | {"max_model_len": max_model_len}, source, target.fingerprint)
@@ -198,7 +209,8 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
     final.mkdir(parents=True, exist_ok=True)  # built in place: the per-turn journal outlives a killed run, marker last
     if config.enabled:
         tokenizer = _tokenizer(target, target_config.trust_remote_code)
-        engine = (target_engine(target_config, target, load_log) if config.endpoint is None
+        images = any(image_urls(c.messages) for c in answered)
+        engine = (target_engine(target_config, target, load_log, images) if config.endpoint is None
                   else _once(lambda: _endpoint(config, target_config, target, tokenizer, load_log)))
         result = regenerate(answered, tokenizer, engine, config, target_config.max_model_len, progress=progress,
                             requests_per_call=REGENERATE_REQUESTS_PER_CALL, journal=final / JOURNAL)
@@ -233,10 +245,13 @@ def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecor
     chats = conversations.load_conversations(DataConfig(source=str(regenerated.path / "conversations.jsonl"), max_samples=10**9))
     kwargs_file = regenerated.path / TEMPLATE_KWARGS
     template_kwargs = json.loads(kwargs_file.read_text()) if kwargs_file.is_file() else {}
+    # image placeholders are never learned; text-only data is tokenized as before
+    images = any(image_urls(c.messages) for c in chats)
+    placeholder = placeholder_id(TargetInfo.read(target.path).model_dir) if images else None
     train, heldout, dropped, truncated = [], [], 0, 0
     for conv in chats:
         held = conversations.is_heldout(conv.id, config.heldout_fraction, config.split_seed)  # a conversation's samples stay together
-        for sample in conversations.tokenize_turns(tokenizer, conv, config.max_tokens, template_kwargs):
+        for sample in conversations.tokenize_turns(tokenizer, conv, config.max_tokens, template_kwargs, placeholder):
             truncated += len(sample.input_ids) == config.max_tokens
             if sum(sample.loss_mask) == 0:
                 dropped += 1
@@ -302,13 +317,14 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     if done:
         return done
     info = TargetInfo.read(target.path)
-    spec = engine_spec(target_config, target, load_log)
+    splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
+    images = any(s.images for v in splits.values() for s in v)  # then the vision tower is loaded
+    spec = engine_spec(target_config, target, load_log, images)
     dtype = storage_dtype(config, target_config.dtype)
     if config.backend == "hf":  # small models, reference runs; loaded lazily like the engine
         get_engine = _once(lambda: _load_hf(info, target_config, load_log))
     else:
-        get_engine = target_engine(target_config, target, load_log)  # the pool loads or attaches once per process
-    splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
+        get_engine = target_engine(target_config, target, load_log, images)  # the pool loads or attaches once per process
     online = _keep_within_budget(config, target_config, info, splits, dtype)  # train.data online/hybrid
     shards = {split: -(-len(samples) // config.samples_per_shard) for split, samples in splits.items()}
     stats: dict[str, int | float | str] = {}

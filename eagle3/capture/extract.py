@@ -15,6 +15,21 @@ The speed path, so that the GPU never waits for the disk:
   between them is bounded, so when the disk falls behind the producer waits (backpressure)
   instead of piling up host memory; a writer's exception is re-raised in the caller.
 On the CPU the same path runs without pinning, streams or events.
+
+Samples with images (eagle3.data.images). What the store keeps at image positions, decided from vLLM
+0.32's EAGLE-3 proposer (v1/spec_decode/llm_base_proposer.py) and its Eagle3 draft classes
+(llama_eagle3, qwen3_eagle3, deepseek_eagle3): the proposer feeds a multimodal target's draft the
+target's multimodal embeddings only when the draft model supports external multimodal embeddings
+(`supports_multimodal_embeddings`); none of the Eagle3 classes does (they are not SupportsMultiModal,
+and their `embed_input_ids` ignores `multimodal_embeddings`), so the proposer logs "using text-only draft
+inputs" and the draft embeds the token ids it is given: at an image position, the placeholder token
+(`<|media_pad|>` for Kimi-K2.5), repeated once per image token. Its hidden-state input there is the
+target's aux states at that position, as everywhere. So the store keeps, per sample, the token ids as
+the engine ran them (placeholders expanded by vLLM's processor: `expand_sample`), the aux + final states
+at EVERY position (image ones included: the next position's draft reads them), and a loss mask that is 0
+at every image position (the placeholder was masked by prepare_data, the positions the expansion adds
+are 0). No image embeddings are stored: no vLLM 0.32 draft would read them. A draft class that takes
+the target's multimodal embeddings would need them (then stored at the image positions).
 """
 
 from __future__ import annotations
@@ -23,14 +38,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.capture.source import open_source
+from eagle3.capture.source import ImageSource, open_source
 from eagle3.capture.store import FP8, Sample, StoreWriter, encode_states
 from eagle3.data.conversations import TokenizedSample
 from eagle3.data.target import check_aux_layer_ids
@@ -150,7 +165,12 @@ def extract_store(
         with ShardWriterPool(writer, threads=writer_threads, max_pending=max_pending_shards) as pool:
             for shard_indices in _batches(pending, groups, by_id, config.batch_tokens):
                 batch = [by_id[i] for index in shard_indices for i in groups[index]]
-                states = source.capture([s.input_ids for s in batch], layer_ids)  # per sample [T, n_aux+1, H]
+                if any(s.images for s in batch):  # placeholders expanded as the engine runs them
+                    batch = expand_images(source, batch, config.backend)
+                    by_id |= {s.id: s for s in batch}
+                    states = source.capture([s.input_ids for s in batch], layer_ids, images=[s.images for s in batch])
+                else:
+                    states = source.capture([s.input_ids for s in batch], layer_ids)  # per sample [T, n_aux+1, H]
                 staged = stager.stage(states, dtype)
                 del states  # the device memory goes back to the allocator (the side stream still holds it)
                 first = 0
@@ -163,6 +183,36 @@ def extract_store(
     finally:
         source.close()
     return stats
+
+
+def expand_images(source: object, batch: Sequence[TokenizedSample], backend: str) -> list[TokenizedSample]:
+    """`batch` with each image sample's placeholders expanded as the engine runs them (module docstring);
+    ExtractInputError when the source cannot take images."""
+    if not isinstance(source, ImageSource):
+        with_images = [s.id for s in batch if s.images]
+        raise ExtractInputError(
+            f"samples {_some(with_images)} hold images, and extract.backend={backend!r} through "
+            f"{type(source).__name__} captures text only; images are captured by the in-process vLLM engine: "
+            "extract.backend='vllm', target.tensor_parallel_size=1, target.data_parallel_size=1, target.keep_warm_s=0")
+    expanded = source.expand([s.input_ids for s in batch], [s.images for s in batch])
+    return [expand_sample(s, ids) if s.images else s for s, ids in zip(batch, expanded, strict=True)]
+
+
+def expand_sample(sample: TokenizedSample, expanded: Sequence[int]) -> TokenizedSample:
+    """`sample` with the engine's ids `expanded` (its own ids with tokens inserted at its images): a position the
+    expansion added is never learned (mask 0), the others keep their mask entry."""
+    mask: list[int] = []
+    i = 0
+    for token in expanded:
+        if i < len(sample.input_ids) and token == sample.input_ids[i]:
+            mask.append(sample.loss_mask[i])
+            i += 1
+        else:
+            mask.append(0)
+    if i != len(sample.input_ids):
+        raise ExtractInputError(f"sample {sample.id!r}: the engine's ids for its images ({len(expanded)} tokens) do not "
+                                f"hold its own {len(sample.input_ids)} tokens in order; re-run prepare_data")
+    return replace(sample, input_ids=list(expanded), loss_mask=mask)
 
 
 def shard_groups(samples: Sequence[TokenizedSample], samples_per_shard: int) -> list[list[str]]:
@@ -202,14 +252,16 @@ def check_inputs(
     if not long:
         return list(samples)
     what = f"samples {_some(long)} are longer than {limit} tokens (target.max_model_len={max_model_len} minus the one token a prefill samples)"
-    if too_long == "reject":
+    imaged = [s.id for s in samples if s.images and len(s.input_ids) > limit]
+    if too_long == "reject" or imaged:  # a cut could split an image's placeholders from its image
+        what += f" (samples {_some(imaged)} hold images: never truncated)" if imaged else ""
         raise ExtractInputError(
             f"{what}; set extract.too_long='truncate' to keep their first {limit} tokens, "
             "raise target.max_model_len, or lower data.max_tokens"
         )
     log.warning("%s; truncated to their first %d tokens (extract.too_long='truncate')", what, limit)
     return [
-        s if len(s.input_ids) <= limit else TokenizedSample(s.id, s.input_ids[:limit], s.loss_mask[:limit], s.source)
+        s if len(s.input_ids) <= limit else replace(s, input_ids=s.input_ids[:limit], loss_mask=s.loss_mask[:limit])
         for s in samples
     ]
 

@@ -22,6 +22,11 @@ its engine call returns; a rerun takes an answer from it when the conversation, 
 match, so a run killed between turns regenerates only the turns that are missing (and loads no
 engine when none is).
 
+Images (eagle3.data.images): a prompt whose messages hold image parts goes to the engine with its images
+(`multi_modal_data`, vLLM's multimodal processing for the target, the vision tower loaded: the stages load the
+engine with language_model_only=False when the data holds images). Only an engine in this process takes
+them; a warm engine or an endpoint is refused with the way out named.
+
 Progress moves as answers finish: vLLM's `LLM.generate` reports each finished request to the
 tqdm class it is given (`use_tqdm`), and ours passes the count on (vllm_adapter._counting_bar).
 So each turn's prompts go to the engine all in one call (`requests_per_call` None), where its
@@ -42,7 +47,8 @@ from typing import Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle3.capture import vllm_adapter
-from eagle3.data.conversations import Conversation, Message, _template_ids, template_text
+from eagle3.data.conversations import Conversation, DataError, Message, _template_ids, template_text
+from eagle3.data.images import image_urls
 
 Progress = Callable[[int, int, int | None], None]  # (requests answered, requests in all, tokens generated so far or None)
 TemplateValue = bool | int | float | str | None
@@ -321,14 +327,20 @@ def _generate_all(engine: Callable[[], object], asks: list[_Ask], config: Regene
     step = requests_per_call or len(asks)
     llm = engine()
     generate = llm.generate_ids if isinstance(llm, TokenGenerator) else partial(vllm_adapter.generate, llm)
+    images = [image_urls(a.head) for a in asks]
+    if any(images) and isinstance(llm, TokenGenerator):
+        raise DataError(f"sample {next(a.dialog.conv.id for a, i in zip(asks, images) if i)!r}: its prompt holds images, "
+                        f"and regenerate's engine ({type(llm).__name__}) takes token ids only; images are regenerated "
+                        "in this process: unset regenerate.endpoint and set target.keep_warm_s=0")
     outputs: list[list[int]] = []
     if progress is not None:
         progress(before, planned, tokens_before)  # the engine is loaded: the rate counts from the first of these
     for start in range(0, len(asks), step):
         chunk = asks[start:start + step]
         finished = None if progress is None else (lambda n, b=before + len(outputs): progress(b + n, planned, None))
+        extra = {"images": images[start:start + step]} if any(images) else {}
         answers = generate([a.ids for a in chunk], max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                           top_p=config.top_p, seed=config.seed, on_finished=finished)
+                           top_p=config.top_p, seed=config.seed, on_finished=finished, **extra)
         for ask, answer in zip(chunk, answers):
             ask.answer = list(answer)
         _append_journal(journal, turn, chunk)

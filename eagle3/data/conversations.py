@@ -5,9 +5,11 @@ Sources:
   (BSD-3), read from the installed package at run time; each conversation becomes
   user/assistant turns.
 - a path to a JSONL file: one conversation per line, `{"id": str, "messages":
-  [{"role": "system"|"user"|"assistant", "content": str}, ...], "source": str}` ("source"
+  [{"role": "system"|"user"|"assistant", "content": str | [part, ...]}, ...], "source": str}` ("source"
   optional; an assistant message may carry `"reasoning_content": str`, its reasoning, as vLLM's
-  OpenAI server returns it and as chat templates read it).
+  OpenAI server returns it and as chat templates read it; a content given as a list holds
+  OpenAI-style content parts, text and images: eagle3.data.images, whose `check_images` refuses an
+  unsupported part, a missing image or an image for a text-only target before any model load).
 - a list of those: the files (and builtin names) read in the order listed.
 
 Each sample may carry a *data source*, the kind of request it stands for, which evaluate
@@ -52,6 +54,8 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from eagle3.data.images import ImageError, Part, check_images, image_urls, parse_parts, text_of
 
 log = logging.getLogger(__name__)
 Role = Literal["system", "user", "assistant"]
@@ -119,16 +123,19 @@ class BadRow:
 @dataclass(frozen=True)
 class Message:
     role: Role
-    content: str
+    content: str | tuple[Part, ...]  # a string, or content parts (text and images: eagle3.data.images)
     reasoning: str | None = None  # an assistant turn's reasoning ("reasoning_content"); None: none given
 
 
-def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, object]]:
     """Messages as the chat template (and our JSONL rows) take them: {"role", "content"} and, where an assistant
-    turn has reasoning, "reasoning_content" (the key vLLM's server returns and Qwen3's and Kimi's templates read)."""
+    turn has reasoning, "reasoning_content" (the key vLLM's server returns and Qwen3's and Kimi's templates read).
+    A content of parts stays a list of OpenAI-style part dicts (multimodal templates render an image part as its
+    placeholder token)."""
     out = []
     for m in messages:
-        row = {"role": m.role, "content": m.content}
+        content = m.content if isinstance(m.content, str) else [p.as_dict() for p in m.content]
+        row = {"role": m.role, "content": content}
         out.append(row if m.reasoning is None else row | {"reasoning_content": m.reasoning})
     return out
 
@@ -185,6 +192,23 @@ def names_sources(source: str | list[str]) -> bool:
     return any(b'"source"' in path.read_bytes() for path in source_files(source) if path.suffix != ".yml")
 
 
+def has_parts(source: str | list[str]) -> bool:
+    """Whether a message of `source` may hold content parts (a list content; its parts carry a "type" key).
+
+    Cheap and may say yes wrongly; never says no wrongly. Stages check and hash images only when it is true, so
+    text-only data keeps its fingerprints (and costs no extra read)."""
+    return any(b'"type"' in path.read_bytes() for path in source_files(source) if path.suffix != ".yml")
+
+
+def check_content(conversations: Sequence[Conversation], model_dir: str | Path) -> dict[str, str]:
+    """{image URL: sha256} of the images in `conversations` after checking every content part against the target
+    (eagle3.data.images.check_images); DataError naming the sample id and the part."""
+    try:
+        return check_images(conversations, model_dir)
+    except ImageError as err:
+        raise DataError(str(err)) from err
+
+
 def _load_chatterbot(limit: int) -> list[Conversation]:
     out: list[Conversation] = []
     for path in source_files(BUILTIN_CHATTERBOT):
@@ -212,14 +236,20 @@ def _parse_row(raw: bytes, line_no: int, seen: dict[str, int]) -> Conversation |
         return f"not JSON ({err.msg} at column {err.colno})"
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         return "not a conversation; expected {'id', 'messages': [{'role', 'content'}, ...]}"
-    if any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
+    if any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list))
            or not isinstance(m.get("reasoning_content", ""), str) for m in row["messages"]):
-        return "a message is not {'role': str, 'content': str} (with an optional 'reasoning_content': str)"
+        return ("a message is not {'role': str, 'content': str or a list of content parts} (with an optional "
+                "'reasoning_content': str)")
+    contents = [m["content"] if isinstance(m["content"], str) else parse_parts(m["content"]) for m in row["messages"]]
+    shape = next((f"message {i}: {c}" for i, c in enumerate(contents)
+                  if isinstance(c, str) and isinstance(row["messages"][i]["content"], list)), None)
+    if shape:
+        return shape
     bad = sorted({m["role"] for m in row["messages"]} - {"system", "user", "assistant"})
     if bad:
         return f"unknown role(s) {bad}; expected system, user or assistant"
     empty = [i for i, m in enumerate(row["messages"])
-             if m["role"] == "assistant" and not m["content"].strip() and not m.get("reasoning_content", "").strip()]
+             if m["role"] == "assistant" and not text_of(contents[i]).strip() and not m.get("reasoning_content", "").strip()]
     if empty:
         return f"assistant turn(s) {empty} (message index) empty or whitespace only"
     source = row.get("source")
@@ -229,7 +259,7 @@ def _parse_row(raw: bytes, line_no: int, seen: dict[str, int]) -> Conversation |
     if cid in seen:
         return f"duplicate id {cid!r} (first on line {seen[cid]})"
     seen[cid] = line_no
-    return Conversation(cid, tuple(Message(m["role"], m["content"], m.get("reasoning_content")) for m in row["messages"]),
+    return Conversation(cid, tuple(Message(m["role"], c, m.get("reasoning_content")) for m, c in zip(row["messages"], contents)),
                         None if source is None else source.strip())
 
 
@@ -331,6 +361,7 @@ class TokenizedSample:
     input_ids: list[int]
     loss_mask: list[int]  # 1 on assistant tokens
     source: str | None = None  # its data source; None: none given
+    images: tuple[str, ...] = ()  # the image URLs of its messages, in the order their placeholders appear
 
 
 def _template_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool,  # noqa: ANN001
@@ -360,10 +391,12 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def tokenize_turns(tokenizer, conv: Conversation, max_tokens: int,  # noqa: ANN001
-                   template_kwargs: Mapping[str, object] | None = None) -> list[TokenizedSample]:
+                   template_kwargs: Mapping[str, object] | None = None, placeholder: int | None = None) -> list[TokenizedSample]:
     """The samples of a conversation (module docstring): one when the template is prefix-stable, else a new one
     from each turn whose history the template renders differently, each cut to `max_tokens`. The first keeps the
-    conversation's id, a later one is `<id>#<k>` (k: the assistant turn, 1-based, it starts learning at)."""
+    conversation's id, a later one is `<id>#<k>` (k: the assistant turn, 1-based, it starts learning at).
+    `placeholder`: the target's image placeholder token id (eagle3.data.images), never learned; a sample keeps the
+    URLs of the images whose placeholders it holds."""
     segments: list[tuple[int, list[int], list[int]]] = []  # (first turn it learns, ids, mask)
     ids: list[int] = []
     mask: list[int] = []
@@ -390,8 +423,25 @@ def tokenize_turns(tokenizer, conv: Conversation, max_tokens: int,  # noqa: ANN0
         mask, ids = mask + [0] * (len(full) - len(ids)), full
     segments.append((first, ids, mask))
     kept = [(f, i, m) for f, i, m in segments if i]
-    return [TokenizedSample(conv.id if n == 0 else f"{conv.id}#{f}", i[:max_tokens], m[:max_tokens], conv.source)
+    urls = image_urls(conv.messages)
+    if placeholder is not None:  # an image position is never learned (the draft cannot predict an image)
+        kept = [(f, i, [0 if t == placeholder else x for t, x in zip(i, m)]) for f, i, m in kept]
+    return [TokenizedSample(conv.id if n == 0 else f"{conv.id}#{f}", i[:max_tokens], m[:max_tokens], conv.source,
+                            _images_in(i[:max_tokens], urls, placeholder))
             for n, (f, i, m) in enumerate(kept)]
+
+
+def _images_in(ids: Sequence[int], urls: Sequence[str], placeholder: int | None) -> tuple[str, ...]:
+    """The URLs of the images a sample's ids hold, in order: every sample renders its conversation from the start,
+    and a cut to data.max_tokens drops the last ones, so it holds the first `count` (DataError when the template
+    renders more placeholders than there are images, rather than a wrong image at a position)."""
+    if not urls:
+        return ()
+    count = sum(t == placeholder for t in ids) if placeholder is not None else 0
+    if count > len(urls):
+        raise DataError(f"the chat template rendered {count} image placeholders for {len(urls)} images; expected one "
+                        "placeholder token per image_url part")
+    return tuple(urls[:count])
 
 
 def tokenize_conversation(tokenizer, conv: Conversation, max_tokens: int,  # noqa: ANN001
@@ -419,10 +469,13 @@ def write_samples(path: Path, samples: Sequence[TokenizedSample]) -> None:
 def sample_row(sample: TokenizedSample) -> dict[str, object]:
     """A prepared sample as its JSONL row; "source" only when it has one (data without sources is as before)."""
     row: dict[str, object] = {"id": sample.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
+    if sample.images:
+        row["images"] = list(sample.images)
     return row if sample.source is None else row | {"source": sample.source}
 
 
 def read_samples(path: Path) -> list[TokenizedSample]:
     with open(path, encoding="utf-8") as handle:
         rows = (r for r in map(json.loads, handle) if r)
-        return [TokenizedSample(r["id"], r["input_ids"], r["loss_mask"], r.get("source")) for r in rows]
+        return [TokenizedSample(r["id"], r["input_ids"], r["loss_mask"], r.get("source"), tuple(r.get("images", ())))
+                for r in rows]
