@@ -166,9 +166,8 @@ def extract_store(
             for shard_indices in _batches(pending, groups, by_id, config.batch_tokens):
                 batch = [by_id[i] for index in shard_indices for i in groups[index]]
                 if any(s.images for s in batch):  # placeholders expanded as the engine runs them
-                    batch = expand_images(source, batch, config.backend)
+                    batch, states = capture_images(source, batch, layer_ids, config.backend)
                     by_id |= {s.id: s for s in batch}
-                    states = source.capture([s.input_ids for s in batch], layer_ids, images=[s.images for s in batch])
                 else:
                     states = source.capture([s.input_ids for s in batch], layer_ids)  # per sample [T, n_aux+1, H]
                 staged = stager.stage(states, dtype)
@@ -185,17 +184,18 @@ def extract_store(
     return stats
 
 
-def expand_images(source: object, batch: Sequence[TokenizedSample], backend: str) -> list[TokenizedSample]:
-    """`batch` with each image sample's placeholders expanded as the engine runs them (module docstring);
-    ExtractInputError when the source cannot take images."""
+def capture_images(source: object, batch: Sequence[TokenizedSample], layer_ids: Sequence[int],
+                   backend: str) -> tuple[list[TokenizedSample], list[torch.Tensor]]:
+    """(`batch` with each image sample's placeholders expanded as the engine ran them, their states [T_i, n_ids, H])
+    (module docstring); ExtractInputError when the source cannot take images."""
     if not isinstance(source, ImageSource):
         with_images = [s.id for s in batch if s.images]
         raise ExtractInputError(
             f"samples {_some(with_images)} hold images, and extract.backend={backend!r} through "
             f"{type(source).__name__} captures text only; images are captured by the in-process vLLM engine: "
             "extract.backend='vllm', target.tensor_parallel_size=1, target.data_parallel_size=1, target.keep_warm_s=0")
-    expanded = source.expand([s.input_ids for s in batch], [s.images for s in batch])
-    return [expand_sample(s, ids) if s.images else s for s, ids in zip(batch, expanded, strict=True)]
+    expanded, states = source.capture_images([s.input_ids for s in batch], [s.images for s in batch], layer_ids)
+    return [expand_sample(s, ids) if s.images else s for s, ids in zip(batch, expanded, strict=True)], states
 
 
 def expand_sample(sample: TokenizedSample, expanded: Sequence[int]) -> TokenizedSample:

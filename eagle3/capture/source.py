@@ -5,8 +5,10 @@ prompt, the states at the requested layer ids (vLLM's convention, eagle3.capture
 [T, len(layer_ids), H], rows in token order, on whatever device the backend keeps them.
 
 - `VllmSource`: in-process vLLM with a patched inner forward (eagle3.capture.hooks); the production path.
-  The only one that takes images (an `ImageSource`): prompts with images are expanded first (`expand`,
-  vLLM's own multimodal processor), then captured with their images; the others refuse image samples.
+  The only one that takes images (an `ImageSource`, `capture_images`): the engine gets each prompt as
+  prepared (one placeholder per image) with its images, and expands the placeholders itself; the capture
+  waits for the expanded ids (vLLM's own multimodal processor, asked first) and returns them with the states.
+  The other sources refuse image samples.
 - `TensorParallelVllmSource` (eagle3.capture.tp_capture): the same capture inside each TP worker process.
 - `HFSource` (eagle3.capture.hf_source): transformers with forward hooks; reference, small targets, benchmark.
 - a `SourceProvider` (a warm engine, eagle3.engine.client): the engine process runs one of the above itself.
@@ -50,15 +52,18 @@ class VllmSource:
         self._stack = resolve_decoder_stack(vllm_adapter.torch_module(llm))
         self._capture = None  # HiddenStateCapture, installed for the layer ids last asked for
 
-    def expand(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]]) -> list[list[int]]:
-        """The token ids the engine runs for prompts with images (each placeholder expanded per image token)."""
+    def capture_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]],
+                       layer_ids: Sequence[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """(the ids the engine ran, states [T_i, len(layer_ids), H]) per prompt: `prompts` as prepared (one
+        placeholder per image), `images` their image URLs (module docstring)."""
         from eagle3.capture import vllm_adapter
 
-        return vllm_adapter.expand_prompts(self._llm, prompts, images)
+        expanded = vllm_adapter.expand_prompts(self._llm, prompts, images)
+        return expanded, self.capture(expanded, layer_ids, engine_prompts=(prompts, images))
 
     def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int],
-                images: Sequence[Sequence[str]] | None = None) -> list[torch.Tensor]:
-        """`images`: per prompt its image URLs, the prompts already expanded (`expand`); None: text only."""
+                engine_prompts: tuple[Sequence[Sequence[int]], Sequence[Sequence[str]]] | None = None) -> list[torch.Tensor]:
+        """`engine_prompts`: (prompts, images) the engine is given instead, which it expands into `prompts`."""
         from eagle3.capture import vllm_adapter
         from eagle3.capture.hooks import HiddenStateCapture
 
@@ -73,7 +78,10 @@ class VllmSource:
             self._capture = HiddenStateCapture(self._stack, layer_ids, row_source=rows)
             self._capture.install()
         with self._capture.collecting(prompts, self._hidden_size) as states:
-            vllm_adapter.prefill(self._llm, prompts, images)
+            if engine_prompts is None:
+                vllm_adapter.prefill(self._llm, prompts)
+            else:
+                vllm_adapter.prefill(self._llm, engine_prompts[0], engine_prompts[1])
         return states
 
     def close(self) -> None:
@@ -86,11 +94,8 @@ class VllmSource:
 class ImageSource(Protocol):
     """A source that captures prompts with images (VllmSource)."""
 
-    def expand(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]]) -> list[list[int]]:
-        ...
-
-    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int],
-                images: Sequence[Sequence[str]] | None = None) -> list[torch.Tensor]:
+    def capture_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]],
+                       layer_ids: Sequence[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         ...
 
 

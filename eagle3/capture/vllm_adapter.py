@@ -126,6 +126,9 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
         **vllm_versions.engine_options(vllm_versions.features(vllm.__version__), language_model_only=spec.language_model_only,
                                        attention_backend=attention_backend),
         enable_sleep_mode=spec.enable_sleep_mode,
+        # images: expand_prompts runs the processor before generate does; with its cache on, generate would send
+        # the items' hashes only, which the engine core never received (MultiModalCacheMissError)
+        **({} if spec.language_model_only else {"mm_processor_cache_gb": 0}),
     )
     check_capture_safe(llm)
     if spec.load_log:
