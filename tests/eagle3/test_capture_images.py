@@ -149,3 +149,20 @@ def test_a_rerun_is_all_cached_and_a_changed_image_changes_the_fingerprint(run):
     changed = stages.fingerprint_regenerate(NO_REGEN, data, target, config.max_model_len)
     assert changed != records[0].fingerprint
     assert json.loads((Path(records[0].uri) / "chat_template_kwargs.json").read_text()) == {}
+
+
+def test_regeneration_answers_image_prompts_with_the_tower_loaded(run):
+    """regenerate.enabled: the target answers each image prompt (the engine gets the images); the answers keep the
+    conversation's image parts, and the prepared samples still carry the images."""
+    config, target, data, root, loads, _, _ = run
+    regen_config = RegenerateConfig(max_new_tokens=4)
+    regen = stages.run_regenerate(regen_config, data, config, target, root,
+                                  stages.fingerprint_regenerate(regen_config, data, target, config.max_model_len), loads)
+    assert regen.stats["conversations"] == 4 and regen.stats["generated_tokens"] > 0
+    rows = {json.loads(line)["id"]: json.loads(line) for line in (regen.path / "conversations.jsonl").read_text().splitlines()}
+    assert [p["type"] for p in rows["two"]["messages"][0]["content"]] == ["image_url", "image_url", "text"]
+    assert rows["a"]["messages"][1]["content"] != "A cat."  # the target's answer, not the dataset's
+    prepared = stages.run_prepare(data, regen, target, False, root, stages.fingerprint_prepare(data, regen, target))
+    images = {s.id: len(s.images) for s in read_samples(prepared.path / "train.jsonl")}
+    assert {k: images.get(k) for k in ("a", "b", "two")} == {"a": 1, "b": 1, "two": 2}  # (a random target's text answer
+    # may decode to nothing learnable: the text-only sample is not asserted here)
