@@ -3,17 +3,15 @@ tower, random small PNGs, through the regenerate (off) -> prepare_data -> extrac
 
 - the store holds the ids as the engine ran them: each image's placeholder expanded to its image tokens by vLLM's
   processor (6 for a 56 x 84 image: 2 x 3 merged 14-pixel patches), loss mask 0 at every image position;
-- the states at every position equal transformers' float32 forward of the same processed inputs within 1e-4: the
-  input embeddings the engine fed its language model (the vision tower's at image positions, which are also checked
-  to equal HF's token embedding at every text position) through HF's DeepseekV3 with the checkpoint's weights.
-  Not compared: the vision tower itself against transformers' Kimi_K25 vision model (the tiny checkpoint is written
-  in the hub's layout for vLLM; loading it into transformers' Kimi_K25ForConditionalGeneration is not done here);
+- the states at every position equal transformers' float32 Kimi_K25ForConditionalGeneration (its MoonViT tower,
+  projector and DeepseekV3, loaded from the same checkpoint) within 1e-4, on the same processed inputs: the pixel
+  values vLLM's processor made (normalized with the checkpoint's mean and std, as vLLM's tower does on the device;
+  transformers' own Kimi processor needs torchvision, which is not installed) and the engine's expanded ids;
 - a rerun is all cached (no engine load); a changed image changes the fingerprint.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
@@ -24,7 +22,6 @@ from transformers import AutoTokenizer
 from eagle3 import stages
 from eagle3.capture import vllm_adapter
 from eagle3.capture.extract import ExtractConfig
-from eagle3.capture.layers import resolve_decoder_stack
 from eagle3.capture.regenerate import RegenerateConfig
 from eagle3.capture.store import StoreReader
 from eagle3.data.conversations import DataConfig, read_samples
@@ -67,33 +64,39 @@ def run(tmp_path_factory, builtin_cache):  # noqa: ANN001, ANN201
     vllm_adapter.release_all()
 
 
-def _engine_embeddings(config: TargetConfig, target, loads: Path, ids: list[int], images: tuple[str, ...]) -> torch.Tensor:  # noqa: ANN001
-    """The input embeddings [T, H] the engine feeds its language model for one prepared prompt with images."""
+def _engine_pixels(config: TargetConfig, target, loads: Path, ids: list[int],  # noqa: ANN001
+                   images: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel values [patches, 3, 14, 14] float32, normalized; grid_thws [images, 3]) that vLLM's processor made of one
+    prepared prompt's images, as its vision tower received them (uint8; the tower normalizes on the device)."""
     llm = vllm_adapter.acquire(stages.engine_spec(config, target, loads, images=True))  # the extract stage's engine
-    inner = resolve_decoder_stack(vllm_adapter.torch_module(llm)).inner
-    forward, seen = inner.forward, []
-    signature = inspect.signature(forward)
+    model, seen = vllm_adapter.torch_module(llm), []
+    process = model._process_media_input
 
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        seen.append(signature.bind(*args, **kwargs).arguments["inputs_embeds"].detach().clone())
-        return forward(*args, **kwargs)
+    def recording(media):  # noqa: ANN001, ANN202
+        seen.append((media["pixel_values"].clone(), media["grid_thws"].clone()))
+        return process(media)
 
-    inner.forward = recording  # as the capture patches it (a pre-hook does not fire under vLLM's wrapper)
+    model._process_media_input = recording
     try:
         vllm_adapter.prefill(llm, [ids], images=[images])
     finally:
-        del inner.forward
-    return torch.cat(seen)
+        del model._process_media_input
+    pixels, grid = seen[0]
+    media = json.loads((Path(target.stats["model_dir"]) / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    mean, std = (torch.tensor(media[k]).view(1, 3, 1, 1) for k in ("image_mean", "image_std"))
+    return (pixels.float() / 255.0 - mean) / std, grid
 
 
-def _hf_states(reference, embeds: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-    """HF float32 states [T, len(AUX) + 1, H] from input embeddings (id N: the last layer's output, before the norm)."""
+def _hf_states(reference, ids: list[int], pixels: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # noqa: ANN001
+    """transformers' Kimi_K25ForConditionalGeneration, float32: states [T, len(AUX) + 1, H] (id N: the last layer's
+    output, before the final norm)."""
     last: dict[str, torch.Tensor] = {}
-    handle = reference.model.layers[-1].register_forward_hook(
+    handle = reference.model.language_model.layers[-1].register_forward_hook(
         lambda m, a, o: last.__setitem__("x", o if isinstance(o, torch.Tensor) else o[0]))
+    extra = {} if pixels is None else {"pixel_values": pixels[0], "image_grid_thw": pixels[1]}
     try:
         with torch.no_grad():
-            out = reference(inputs_embeds=embeds[None], output_hidden_states=True)
+            out = reference(input_ids=torch.tensor([ids]), output_hidden_states=True, **extra)
     finally:
         handle.remove()
     return torch.stack([out.hidden_states[k][0] for k in AUX] + [last["x"][0]], dim=1)
@@ -116,24 +119,19 @@ def test_image_placeholders_are_expanded_by_the_engine_and_masked_out_of_the_los
 
 
 def test_states_equal_transformers_float32_on_the_same_processed_inputs(run):
+    """transformers runs the whole Kimi-K2.5 (MoonViT, projector, DeepseekV3) on vLLM's processed image (its
+    processor needs torchvision, not installed here) and the engine's expanded ids: equal at every position."""
+    from transformers import AutoModelForImageTextToText
+
     config, target, _, _, loads, (_, prepared, extracted), _ = run
-    reference = arch_builders.reference_text_model(Path(target.stats["model_dir"]))
-    embed = reference.get_input_embeddings()
+    reference = AutoModelForImageTextToText.from_pretrained(target.stats["model_dir"], dtype=torch.float32).eval()
+    assert type(reference).__name__ == "Kimi_K25ForConditionalGeneration"
     prepared_samples = {s.id: s for s in read_samples(prepared.path / "train.jsonl")}
-    pad = AutoTokenizer.from_pretrained(target.stats["model_dir"]).convert_tokens_to_ids("<|media_pad|>")
     for stored in StoreReader(extracted.path / "train"):
-        ids = stored.input_ids.tolist()
         sample = prepared_samples[stored.sample_id]
-        if not sample.images:
-            embeds = embed(torch.tensor(ids)).detach()
-        else:
-            embeds = _engine_embeddings(config, target, loads, sample.input_ids, sample.images)
-            assert embeds.shape == (len(ids), arch_builders.HIDDEN)
-            text = torch.tensor([t != pad for t in ids])
-            # text positions: the token embedding; image positions: the vision tower's output, not the placeholder's
-            torch.testing.assert_close(embeds[text], embed(torch.tensor(ids))[text].detach(), atol=ATOL, rtol=0)
-            assert not torch.allclose(embeds[~text], embed(torch.tensor([pad]))[0].detach().expand_as(embeds[~text]))
-        torch.testing.assert_close(stored.hidden_states.float(), _hf_states(reference, embeds), atol=ATOL, rtol=0)
+        pixels = _engine_pixels(config, target, loads, sample.input_ids, sample.images) if sample.images else None
+        want = _hf_states(reference, stored.input_ids.tolist(), pixels)
+        torch.testing.assert_close(stored.hidden_states.float(), want, atol=ATOL, rtol=0)
 
 
 def test_a_rerun_is_all_cached_and_a_changed_image_changes_the_fingerprint(run):
