@@ -144,6 +144,22 @@ def target_engine(config: TargetConfig, target: StageRecord, load_log: Path, ima
     return lambda: engine_pool.acquire(spec, fp, keep, default_cache_dir(), run_dir=run_dir)
 
 
+def check_image_engine(config: TargetConfig, stage: str, endpoint: str | None = None, backend: str = "vllm") -> None:
+    """Data with images runs through an engine in this process only (eagle3.capture.source): DataError naming the
+    setting otherwise, before any engine is reached."""
+    problems = [f"{name}={value!r}" for name, value, bad in (
+        ("regenerate.endpoint", endpoint, endpoint is not None),
+        ("extract.backend", backend, backend != "vllm"),
+        ("target.keep_warm_s", config.keep_warm_s, engine_pool.keep_warm_seconds(config.keep_warm_s) > 0),
+        ("target.tensor_parallel_size", config.tensor_parallel_size, config.tensor_parallel_size > 1),
+        ("target.data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1 and stage == "extract"),
+    ) if bad]
+    if problems:
+        raise DataError(f"{stage}: the data holds images, which only the in-process vLLM engine takes; {', '.join(problems)} "
+                        "(expected regenerate.endpoint unset, extract.backend='vllm', target.keep_warm_s=0, "
+                        "target.tensor_parallel_size=1, target.data_parallel_size=1)")
+
+
 def _load_hf(info: TargetInfo, config: TargetConfig, load_log: Path) -> object:
     """The target in transformers (extract.backend 'hf'), its load recorded like an engine's."""
     from eagle3.capture.hf_source import load_hf_target
@@ -205,11 +221,13 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
             f"data.source={data_config.source!r}: none of its {len(chats)} conversations has an assistant turn; "
             "expected user/assistant conversations (prompts are the turns before the first assistant turn)"
         )
+    images = config.enabled and any(image_urls(c.messages) for c in answered)
+    if images:  # refused before anything is written or loaded
+        check_image_engine(target_config, "regenerate", endpoint=config.endpoint)
     skipped, generated, reused = 0, 0, 0
     final.mkdir(parents=True, exist_ok=True)  # built in place: the per-turn journal outlives a killed run, marker last
     if config.enabled:
         tokenizer = _tokenizer(target, target_config.trust_remote_code)
-        images = any(image_urls(c.messages) for c in answered)
         engine = (target_engine(target_config, target, load_log, images) if config.endpoint is None
                   else _once(lambda: _endpoint(config, target_config, target, tokenizer, load_log)))
         result = regenerate(answered, tokenizer, engine, config, target_config.max_model_len, progress=progress,
@@ -319,6 +337,8 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     info = TargetInfo.read(target.path)
     splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
     images = any(s.images for v in splits.values() for s in v)  # then the vision tower is loaded
+    if images:
+        check_image_engine(target_config, "extract", backend=config.backend)
     spec = engine_spec(target_config, target, load_log, images)
     dtype = storage_dtype(config, target_config.dtype)
     if config.backend == "hf":  # small models, reference runs; loaded lazily like the engine

@@ -150,3 +150,22 @@ def test_a_sample_with_images_is_never_truncated():
     with pytest.raises(ExtractInputError, match="hold images: never truncated"):
         check_inputs([sample], [1], 4, 10, "truncate")
     json.dumps(sample.images)
+
+
+def test_images_through_an_engine_elsewhere_are_refused_before_any_load(kimi, tmp_path):
+    config, target, root = kimi
+    data = DataConfig(source=str(write_rows(tmp_path / "chats.jsonl", [image_row("pic", write_png(tmp_path / "a.png", 5))])),
+                      heldout_fraction=0.0)
+    loads = tmp_path / "loads.jsonl"
+    warm = config.model_copy(update={"keep_warm_s": 30.0})
+    regen = RegenerateConfig()
+    with pytest.raises(DataError, match=r"regenerate: the data holds images.*target.keep_warm_s=30.0"):
+        stages.run_regenerate(regen, data, warm, target, root, fp := stages.fingerprint_regenerate(regen, data, target, 512), loads)
+    assert not stages.out_dir(root, "regenerate", fp).exists()  # nothing written
+    prepared = _prepare(kimi, data)
+    from eagle3.capture.extract import ExtractConfig
+
+    hf = ExtractConfig(backend="hf")
+    with pytest.raises(DataError, match=r"extract: the data holds images.*extract.backend='hf'"):
+        stages.run_extract(hf, config, prepared, target, root, stages.fingerprint_extract(hf, config, prepared, target), loads)
+    assert not loads.exists()
