@@ -424,24 +424,28 @@ def tokenize_turns(tokenizer, conv: Conversation, max_tokens: int,  # noqa: ANN0
     segments.append((first, ids, mask))
     kept = [(f, i, m) for f, i, m in segments if i]
     urls = image_urls(conv.messages)
-    if placeholder is not None:  # an image position is never learned (the draft cannot predict an image)
+    if urls:
+        _check_placeholders(conv.id, kept[-1][1], urls, placeholder)
+        # an image position is never learned (the draft cannot predict an image)
         kept = [(f, i, [0 if t == placeholder else x for t, x in zip(i, m)]) for f, i, m in kept]
     return [TokenizedSample(conv.id if n == 0 else f"{conv.id}#{f}", i[:max_tokens], m[:max_tokens], conv.source,
-                            _images_in(i[:max_tokens], urls, placeholder))
+                            tuple(urls[:i[:max_tokens].count(placeholder)]) if urls else ())
             for n, (f, i, m) in enumerate(kept)]
 
 
-def _images_in(ids: Sequence[int], urls: Sequence[str], placeholder: int | None) -> tuple[str, ...]:
-    """The URLs of the images a sample's ids hold, in order: every sample renders its conversation from the start,
-    and a cut to data.max_tokens drops the last ones, so it holds the first `count` (DataError when the template
-    renders more placeholders than there are images, rather than a wrong image at a position)."""
-    if not urls:
-        return ()
-    count = sum(t == placeholder for t in ids) if placeholder is not None else 0
-    if count > len(urls):
-        raise DataError(f"the chat template rendered {count} image placeholders for {len(urls)} images; expected one "
-                        "placeholder token per image_url part")
-    return tuple(urls[:count])
+def _check_placeholders(cid: str, ids: Sequence[int], urls: Sequence[str], placeholder: int | None) -> None:
+    """The whole conversation's ids `ids` hold one `placeholder` per image (DataError otherwise: an image the template
+    does not render, or a target that names no placeholder, would be dropped silently). Each sample renders its
+    conversation from the start, and a cut to data.max_tokens drops the last tokens, so a sample holds the first
+    images, one per placeholder it holds."""
+    if placeholder is None:
+        raise DataError(f"sample {cid!r} holds images, but the target's config.json names no image placeholder token "
+                        "(media_placeholder_token_id, image_token_id or image_token_index); use a multimodal target")
+    count = list(ids).count(placeholder)
+    if count != len(urls):
+        raise DataError(f"sample {cid!r}: the chat template rendered {count} image placeholder tokens (id "
+                        f"{placeholder}) for its {len(urls)} image_url parts; expected one per image (does the "
+                        "target's chat template render image parts?)")
 
 
 def tokenize_conversation(tokenizer, conv: Conversation, max_tokens: int,  # noqa: ANN001

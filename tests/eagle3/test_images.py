@@ -169,3 +169,18 @@ def test_images_through_an_engine_elsewhere_are_refused_before_any_load(kimi, tm
     with pytest.raises(DataError, match=r"extract: the data holds images.*extract.backend='hf'"):
         stages.run_extract(hf, config, prepared, target, root, stages.fingerprint_extract(hf, config, prepared, target), loads)
     assert not loads.exists()
+
+
+def test_a_template_that_does_not_render_image_parts_is_refused_naming_the_sample(kimi, tmp_path):
+    from eagle3.data.conversations import Conversation, Message
+    from eagle3.data.images import Part
+    from eagle3.data.conversations import tokenize_turns
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi[1].stats["model_dir"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: text{% endfor %}"  # drops every image
+    conv = Conversation("dropped", (Message("user", (Part("image_url", url="file:///x.png"), Part("text", text="hi"))),
+                                    Message("assistant", "ok")))
+    with pytest.raises(DataError, match=r"sample 'dropped': the chat template rendered 0 image placeholder tokens"):
+        tokenize_turns(tokenizer, conv, 512, placeholder=placeholder_id(kimi[1].stats["model_dir"]))
+    with pytest.raises(DataError, match=r"sample 'dropped' holds images, but the target's config.json names no image"):
+        tokenize_turns(tokenizer, conv, 512, placeholder=None)
