@@ -317,7 +317,13 @@ def _image_modality(llm) -> str:  # noqa: ANN001 - vllm.LLM
 def expand_prompts(llm, prompts: Sequence[Sequence[int]], images: Images) -> list[list[int]]:  # noqa: ANN001
     """The token ids the engine runs for `prompts` with `images`: vLLM's multimodal processor expands each image
     placeholder to one position per image token (the same call `generate` makes first)."""
-    return [list(e["prompt_token_ids"]) for e in llm._preprocess_cmpl(_prompts(llm, prompts, images))]
+    preprocess = getattr(llm, "_preprocess_cmpl", None)
+    if preprocess is None:
+        import vllm
+
+        raise VllmUnsupported(f"vLLM {vllm.__version__} has no LLM._preprocess_cmpl, which image capture uses to learn "
+                              "the ids the engine runs; capture data with images on the pinned vLLM (0.32)")
+    return [list(e["prompt_token_ids"]) for e in preprocess(_prompts(llm, prompts, images))]
 
 
 def _generate(llm, prompts: Sequence[Sequence[int]], params, on_finished: Callable[[int], None] | None = None,  # noqa: ANN001, ANN202

@@ -184,3 +184,17 @@ def test_a_template_that_does_not_render_image_parts_is_refused_naming_the_sampl
         tokenize_turns(tokenizer, conv, 512, placeholder=placeholder_id(kimi[1].stats["model_dir"]))
     with pytest.raises(DataError, match=r"sample 'dropped' holds images, but the target's config.json names no image"):
         tokenize_turns(tokenizer, conv, 512, placeholder=None)
+
+
+def test_a_list_that_is_not_content_parts_makes_a_bad_row(tmp_path):
+    from eagle3.data.conversations import scan_jsonl
+
+    good = image_row("good", "file:///x.png")
+    bad = [{"id": f"b{i}", "messages": [{"role": "user", "content": [part]}, {"role": "assistant", "content": "ok"}]}
+           for i, part in enumerate([{"type": 5}, {"type": "text"}, {"type": "image_url", "image_url": "file:///x.png"}])]
+    conversations, skipped = scan_jsonl(write_rows(tmp_path / "chats.jsonl", [good, *bad]), 10, 10)
+    assert [c.id for c in conversations] == ["good"]
+    assert [(b.line, b.reason) for b in skipped] == [
+        (2, "message 0: content part 0 is not an object with a string 'type'"),
+        (3, "message 0: content part 0 (text) has no string 'text'"),
+        (4, "message 0: content part 0 (image_url) has no 'image_url': {'url': str}")]
