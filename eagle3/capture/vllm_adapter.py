@@ -411,12 +411,14 @@ def load_serving_engine(
     seed: int = 0,
     speculative_dir: str | None = None,
     num_speculative_tokens: int = 0,
+    images: bool = False,
 ):  # noqa: ANN201 - vllm.LLM
     """An engine for generation (not capture), optionally speculating with an EAGLE-3 draft folder.
 
     Not pooled: the served evaluation loads the target twice, with and without the draft, and
     releases each with `shutdown_engine`. Stats logging is on, or the spec-decode counters stay empty.
-    Token-id prompts only (no tokenizer is loaded, so folders without one work too).
+    Token-id prompts only (no tokenizer is loaded, so folders without one work too); `images`: prompts may carry
+    images (vLLM's multimodal processor needs the target's tokenizer, so it is loaded).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
@@ -444,7 +446,7 @@ def load_serving_engine(
         distributed_executor_backend="uni",
         seed=seed,
         disable_log_stats=False,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not images,
         speculative_config=speculative,
         attention_backend=attention_backend,
         **per_request,

@@ -244,3 +244,42 @@ def test_the_mla_drafts_yarn_rope_is_vllms_deepseek_rope_at_the_real_models_sett
     mscale_all_dim = float(rope.get("mscale_all_dim", 0.0))
     want_softmax = (32 + 64) ** -0.5 * (0.1 * mscale_all_dim * math.log(rope["factor"]) + 1.0) ** 2
     assert softmax_scale == pytest.approx(want_softmax, rel=1e-12)
+
+
+def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_output_without_it(trained, tmp_path):
+    """Issue 28's served check: the tiny Kimi-K2.5 WITH its vision tower (MoonViT, built by arch_builders) serves a
+    prompt holding an image (a random PNG, vLLM's own Kimi multimodal processor) with our MLA draft, and the float32
+    greedy output is the output without the draft, token for token; the draft drafts there (vLLM's counters move).
+    vLLM 0.32's draft reads text-only inputs (its Eagle3 classes are not multimodal): at the image's positions it
+    embeds the placeholder token, as the store does (eagle3.capture.extract)."""
+    import json as json_
+
+    from vllm.inputs import TokensPrompt
+
+    from eagle3.capture import vllm_adapter
+    from eagle3.data.images import load_image
+    from tests.eagle3.image_data import write_png
+
+    kimi = trained["kimi_k25"]
+    pad = json_.loads((kimi / "config.json").read_text())["media_placeholder_token_id"]
+    image = load_image(f"file://{write_png(tmp_path / 'a.png', seed=4)}")
+    texts = _prompts(seed=3, n=3, length=6)
+    prompts = [TokensPrompt(prompt_token_ids=[*t[:3], pad, *t[3:]],
+                            multi_modal_data={"vision_chunk": [{"type": "image", "image": image, "uuid": None}]})
+               for t in texts]
+    outputs = {}
+    for name, draft in (("with", trained["export"]), ("without", None)):
+        llm = vllm_adapter.load_serving_engine(str(kimi), dtype="float32", max_model_len=128, kv_cache_gib=1,
+                                               speculative_dir=None if draft is None else str(draft),
+                                               num_speculative_tokens=0 if draft is None else 3, images=True)
+        try:
+            import vllm
+
+            before = vllm_adapter.spec_decode_counters(llm)
+            out = llm.generate(prompts, vllm.SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+            outputs[name] = [list(o.outputs[0].token_ids) for o in out]
+            outputs[name + "_drafts"] = vllm_adapter.spec_decode_counters(llm).minus(before).drafts
+        finally:
+            vllm_adapter.shutdown_engine(llm)
+    assert outputs["with"] == outputs["without"] and all(len(o) == 12 for o in outputs["with"])
+    assert outputs["with_drafts"] > 0 and outputs["without_drafts"] == 0
