@@ -11,8 +11,9 @@ eighth of each masked as a prompt). Then, each mode timed on its own:
 - hybrid: the first samples whose states fit half the store are stored, the rest captured every epoch.
 Per mode: wall seconds (extract + train for store and hybrid), peak GPU memory (max_memory_allocated, reset
 before each phase), bytes of states written to disk (the store's files; for online the shards written to
-the buffer, polled every 2 ms, and the most on disk at once), and the largest loss difference from the
-store run at any step. Every capture forward holds one prompt in every mode (lengths > seq/2, capture
+the buffer, polled every 2 ms, and the most on disk at once; the producer captures ahead of the trainer, so
+a few shards past the last step are written too), and the largest loss difference from the store run at
+any step. Every capture forward holds one prompt in every mode (lengths > seq/2, capture
 batch = seq tokens), so all modes train on the same states; fp32 on the CPU gives equal losses.
 
     python benchmarks/online_vs_store.py            # GPU, 8B shape (about 5 minutes on an H200)
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--no-hybrid", action="store_true", help="skip the hybrid mode")
     parser.add_argument("--eager", action="store_true", help="train.compile=false (default: the trainer's, on for CUDA)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--root", default="/tmp/online-vs-store", help="scratch folder on the local disk (emptied)")
+    parser.add_argument("--root", default=".cache/online-vs-store",
+                        help="scratch folder on the local disk, not tmpfs (emptied before and after)")
     args = parser.parse_args(argv)
     args.samples = args.samples or (32 if args.tiny else 384)
     args.seq = args.seq or (64 if args.tiny else 2048)
