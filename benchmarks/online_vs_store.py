@@ -10,13 +10,14 @@ eighth of each masked as a prompt). Then, each mode timed on its own:
           CUDA stream of its own) into a bounded buffer of shards the trainer reads and deletes;
 - hybrid: the first samples whose states fit half the store are stored, the rest captured every epoch.
 Per mode: wall seconds (extract + train for store and hybrid), peak GPU memory (max_memory_allocated, reset
-before each phase), bytes of states written to disk (the store's files; for online the shards written to
-the buffer, polled every 2 ms, and the most on disk at once; the producer captures ahead of the trainer, so
-a few shards past the last step are written too), and the largest loss difference from the store run at
-any step. Every capture forward holds one prompt in every mode (lengths > seq/2, capture
-batch = seq tokens), so all modes train on the same states; fp32 on the CPU gives equal losses.
+before each phase), bytes of states written to disk (the store's files; for the buffer, the tensors of every
+shard written, tokens captured x bytes a token: the producer captures ahead of the trainer, so a few shards
+past the last step count too), the most bytes of the buffer on disk at once (polled every 2 ms), and the
+largest loss difference from the store run at any step. Every capture forward holds one prompt in every mode
+(lengths > seq/2, a capture batch of seq tokens), so all modes train on the same states; fp32 on the CPU
+gives equal losses.
 
-    python benchmarks/online_vs_store.py            # GPU, 8B shape (about 5 minutes on an H200)
+    python benchmarks/online_vs_store.py            # GPU, 8B shape (estimated 5 minutes on an H200; not yet run)
     python benchmarks/online_vs_store.py --tiny     # CPU smoke check (seconds)
 
 Imports only torch, transformers, safetensors, pydantic, numpy (and what transformers needs): no Prefect, no vLLM.
@@ -61,9 +62,8 @@ class Row:
     train_s: float = 0.0
     peak_extract: int = 0  # bytes of GPU memory
     peak_train: int = 0
-    written: int = 0  # bytes of states written to disk (store files + buffer shards)
-    disk_peak: int = 0  # most bytes of the buffer on disk at once (online, hybrid)
-    shards: str = ""  # buffer shards polled / written
+    written: int = 0  # bytes of states written to disk: the store's files + the buffer's shards' tensors
+    disk_peak: int = 0  # most bytes of the buffer on disk at once (online, hybrid; polled)
     captured: int = 0  # tokens captured while training
     losses: list[float] = field(default_factory=list)
 
@@ -185,20 +185,16 @@ def run_online(world: World, mode: str, kept: int) -> Row:
     if kept_store is not None:
         row.extract_s, row.peak_extract, row.written = world.extract(world.samples[:kept], kept_store)
     source = HFSource(world.model, batch_tokens=world.args.seq)
-    capture, calls = SourceCapture(source, world.layer_ids, world.device), [0]
-
-    def counted(prompts):  # noqa: ANN001, ANN202 - one call per shard written
-        calls[0] += 1
-        return capture(prompts)
-
+    capture = SourceCapture(source, world.layer_ids, world.device)
     buffer = world.root / f"buffer-{mode}"
     with BufferWatch(buffer) as watch:
         row.train_s, row.peak_train, result = world.train(mode, world.root / f"train-{mode}",
                                                           kept_store or world.root, world.online_data(
-                                                              kept, kept_store, buffer, counted))
+                                                              kept, kept_store, buffer, capture))
     row.losses, row.captured = result.losses, int(result.online.get("tokens_captured", 0))
-    row.written += sum(watch.sizes.values())
-    row.disk_peak, row.shards = watch.peak, f"{len(watch.sizes)}/{calls[0]}"
+    # every shard's tensors: exact, where a poll can miss a shard read and deleted within 2 ms (headers: < 1 KB a shard)
+    row.written += row.captured * row_bytes(len(world.layer_ids), world.hidden, world.dtype)
+    row.disk_peak = watch.peak
     if kept_store is not None:
         shutil.rmtree(kept_store)
     print(f"{mode}: trained {result.steps_done} steps in {row.train_s:.1f} s, {row.captured:,} tokens captured", flush=True)
@@ -206,10 +202,10 @@ def run_online(world: World, mode: str, kept: int) -> Row:
 
 
 class BufferWatch:
-    """Polls a buffer folder every 2 ms: each shard's size (by name) and the most bytes on disk at once."""
+    """Polls a buffer folder every 2 ms for the most bytes on disk at once."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder, self.sizes, self.peak = folder, {}, 0
+        self.folder, self.peak = folder, 0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._poll, name="buffer-watch", daemon=True)
 
@@ -230,12 +226,9 @@ class BufferWatch:
                 entries = []
             for entry in entries:
                 try:
-                    size = entry.stat().st_size
+                    total += entry.stat().st_size
                 except OSError:
                     continue  # read and deleted meanwhile
-                total += size
-                if entry.name.startswith("batch-"):
-                    self.sizes[entry.name] = max(size, self.sizes.get(entry.name, 0))
             self.peak = max(self.peak, total)
             time.sleep(0.002)
 
@@ -270,22 +263,22 @@ def _peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def report(rows: list[Row], world: World) -> None:
-    base = rows[0].losses
-    cuda = world.device.type == "cuda"
-    steps = len(base)
-    print(f"\n{steps} steps, {world.args.epochs} epochs of {len(world.samples)} samples ({sum(world.lengths):,} tokens), "
-          f"batch_tokens {world.args.seq}, buffer {world.args.buffer_gib:g} GiB (one shard <= "
-          f"{shard_bytes(world.args.seq, 1, len(world.layer_ids), world.hidden, world.dtype):,} B), "
-          f"{row_bytes(len(world.layer_ids), world.hidden, world.dtype):,} B of states a token")
-    for r in rows:
-        diff = max((abs(a - b) for a, b in zip(r.losses, base, strict=True)), default=float("nan"))
-        gpu = (f"peak GPU extract {r.peak_extract / GIB:.2f} / train {r.peak_train / GIB:.2f} GiB" if cuda
-               else "peak GPU n/a (CPU)")
-        print(f"{r.mode:<7} wall {r.extract_s + r.train_s:8.1f} s (extract {r.extract_s:.1f} + train {r.train_s:.1f})  "
-              f"{gpu}  written {r.written:,} B  buffer peak on disk {r.disk_peak:,} B (shards polled/written "
-              f"{r.shards or '-'})  captured {r.captured:,} tokens  steps {len(r.losses)}  max|dloss|={diff:.2e}",
-              flush=True)
+def header(world: World) -> None:
+    a, n = world.args, len(world.layer_ids)
+    print(f"{world.steps()} steps, {a.epochs} epochs of {len(world.samples)} samples ({sum(world.lengths):,} tokens), "
+          f"batch_tokens {a.seq}, buffer {a.buffer_gib:g} GiB (one shard <= "
+          f"{shard_bytes(a.seq, 1, n, world.hidden, world.dtype):,} B), "
+          f"{row_bytes(n, world.hidden, world.dtype):,} B of states a token", flush=True)
+
+
+def report(r: Row, base: list[float], cuda: bool) -> None:
+    """One mode's line (as soon as it has run: a later mode that fails leaves the earlier figures)."""
+    diff = max((abs(a - b) for a, b in zip(r.losses, base, strict=True)), default=float("nan"))
+    gpu = (f"peak GPU extract {r.peak_extract / GIB:.2f} / train {r.peak_train / GIB:.2f} GiB" if cuda
+           else "peak GPU n/a (CPU)")
+    print(f"{r.mode:<7} wall {r.extract_s + r.train_s:8.1f} s (extract {r.extract_s:.1f} + train {r.train_s:.1f})  "
+          f"{gpu}  written {r.written:,} B  buffer peak on disk {r.disk_peak:,} B  captured {r.captured:,} tokens  steps {len(r.losses)}  max|dloss|={diff:.2e}",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -316,13 +309,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.buffer_gib is None:
         one_shard = shard_bytes(args.seq, 1, len(world.layer_ids), world.hidden, world.dtype)
         args.buffer_gib = 4 * one_shard / GIB if args.tiny else 2.0
+    header(world)
     HFSource(world.model, batch_tokens=args.seq).capture([world.samples[0].input_ids], world.layer_ids)  # warm-up
-    rows = [run_store(world), run_online(world, "online", 0)]
-    if not args.no_hybrid:
-        budget = sum(world.lengths) * row_bytes(len(world.layer_ids), world.hidden, world.dtype) // 2
-        rows.append(run_online(world, "hybrid", kept_samples(world.lengths, budget, len(world.layer_ids), world.hidden,
-                                                             world.dtype)))
-    report(rows, world)
+    rows = [run_store(world)]
+    report(rows[0], rows[0].losses, device.type == "cuda")
+    budget = sum(world.lengths) * row_bytes(len(world.layer_ids), world.hidden, world.dtype) // 2
+    for mode in ("online",) if args.no_hybrid else ("online", "hybrid"):
+        kept = 0 if mode == "online" else kept_samples(world.lengths, budget, len(world.layer_ids), world.hidden,
+                                                       world.dtype)
+        rows.append(run_online(world, mode, kept))
+        report(rows[-1], rows[0].losses, device.type == "cuda")
     shutil.rmtree(args.root, ignore_errors=True)
     return rows
 
