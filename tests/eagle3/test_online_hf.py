@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from eagle3.capture.hf_source import HFSource, load_hf_target
@@ -43,6 +44,19 @@ def test_the_hf_source_through_the_online_feed_gives_the_store_runs_losses(tmp_p
     assert max(abs(a - b) for a, b in zip(online.losses, store.losses, strict=True)) <= 1e-5
     assert capture.tokens == online.online["tokens_captured"] > 0
     assert not (tmp_path / "buffer").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_capture_runs_on_its_own_stream_and_gives_host_states_equal_to_the_default_streams():
+    model = load_hf_target(str(tiny_world().target_dir), dtype="float32", device="cuda")
+    source = HFSource(model, batch_tokens=TRAIN_KW["batch_tokens"])
+    capture = SourceCapture(source, AUX_LAYER_IDS + [NUM_LAYERS], torch.device("cuda"))
+    prompts = [s.input_ids.tolist() for s in list(StoreReader(tiny_world().train_store))[:5]]
+    got = capture(prompts)
+    want = source.capture(prompts, AUX_LAYER_IDS + [NUM_LAYERS])  # on the default stream
+    assert capture.stream is not None and all(g.device.type == "cpu" for g in got)
+    assert all(torch.equal(g, w.cpu()) for g, w in zip(got, want, strict=True))
 
 
 def test_the_benchmark_runs_tiny_on_the_cpu_without_prefect_or_vllm(tmp_path):
