@@ -15,7 +15,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from eagle3.capture.extract import ExtractConfig
+from eagle3.capture.extract import ExtractConfig, storage_dtype
 from eagle3.capture.regenerate import RegenerateConfig, template_kwargs_problem
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems, read_chat_template
@@ -23,8 +23,10 @@ from eagle3.draft.architecture import DraftArchitectureError, read_text_config, 
 from eagle3.draft.ddp import DistError
 from eagle3.draft.evaluate import EvalConfig
 from eagle3.draft.launch import resolve_num_processes
+from eagle3.draft.online_data import OnlineConfig, OnlineDataError, check_buffer
 from eagle3.draft.train_config import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
+from eagle3.engine.placement import PlacementError, split_cpus
 from eagle3.gpu.cleanup import GpuCleanupConfig
 from eagle3.storage import is_url
 
@@ -68,6 +70,7 @@ class PipelineConfig(BaseModel):
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description="extract: hidden-state capture")
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="vocab: draft vocabulary mapping")
     train: TrainConfig = Field(default_factory=TrainConfig, description="train: the EAGLE-3 head")
+    online: OnlineConfig = Field(default_factory=OnlineConfig, description="train.data online/hybrid: the buffer")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluate: acceptance length")
 
     @model_validator(mode="after")
@@ -77,6 +80,8 @@ class PipelineConfig(BaseModel):
                 f"data.max_tokens={self.data.max_tokens} must be below target.max_model_len={self.target.max_model_len}; "
                 "lower data.max_tokens or raise target.max_model_len"
             )
+        if problem := online_problem(self):
+            raise ValueError(problem)
         if self.regenerate.enabled and self.regenerate.max_new_tokens >= self.target.max_model_len:
             raise ValueError(
                 f"regenerate.max_new_tokens={self.regenerate.max_new_tokens} leaves no room for a prompt in "
@@ -107,6 +112,37 @@ class PipelineConfig(BaseModel):
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
 
 
+def online_problem(config: PipelineConfig) -> str | None:
+    """What train.data online/hybrid cannot run with (None: nothing); checked before anything loads."""
+    data, extract = config.train.data, config.extract
+    if data == "store":
+        if extract.store_budget_gib is not None:
+            return (f"extract.store_budget_gib={extract.store_budget_gib:g} is set, but train.data='store' stores every "
+                    "state; set train.data='hybrid' to keep only that much, or leave extract.store_budget_gib unset")
+        return None
+    if data == "hybrid" and extract.store_budget_gib is None:
+        return ("train.data='hybrid' keeps states up to extract.store_budget_gib, which is not set; set it (GiB, e.g. "
+                "extract.store_budget_gib=100), or train.data='online' to store none of the train split")
+    if data == "online" and extract.store_budget_gib not in (None, 0):
+        return (f"train.data='online' stores none of the train split, but extract.store_budget_gib="
+                f"{extract.store_budget_gib:g}; set train.data='hybrid' to keep that much, or unset it")
+    unsupported = [
+        (extract.backend != "vllm", f"extract.backend={extract.backend!r} (the online capture runs in the warm vLLM "
+                                    "engine process); set extract.backend='vllm'"),
+        (extract.parts > 1, f"extract.parts={extract.parts} (online capture across machines is not built yet); set "
+                            "extract.parts=1"),
+        (config.target.data_parallel_size > 1, f"target.data_parallel_size={config.target.data_parallel_size} (one "
+                                               "engine captures for the trainer); set target.data_parallel_size=1"),
+        (config.train.nnodes > 1 or (isinstance(config.train.num_processes, int) and config.train.num_processes > 1),
+         f"train.num_processes={config.train.num_processes}, train.nnodes={config.train.nnodes} (the feed serves one "
+         "training process); set both to 1"),
+    ]
+    problems = [text for bad, text in unsupported if bad]
+    if problems:
+        return f"train.data={data!r} does not run with " + "; ".join(problems) + ", or set train.data='store'"
+    return None
+
+
 def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
     """The settings that can only be checked once the target is known; ConfigError naming each one.
 
@@ -135,6 +171,17 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
         problems.append(f"target.data_parallel_size={config.target.data_parallel_size} runs vLLM engines, but "
                         f"extract.backend={config.extract.backend!r} runs one transformers model; set "
                         "target.data_parallel_size=1 or extract.backend='vllm'")
+    if config.train.data != "store":  # a buffer that cannot hold one micro-batch would stall the trainer for ever
+        try:
+            check_buffer(config.online.buffer_gib, config.train.batch_tokens, len(info.aux_layer_ids) + 1, info.hidden_size,
+                         storage_dtype(config.extract, config.target.dtype))
+        except OnlineDataError as err:
+            problems.append(str(err))
+        if gpus == 0:
+            try:
+                split_cpus(config.online.engine_cpus)  # the trainer must keep a core of its own
+            except PlacementError as err:
+                problems.append(str(err))
     try:
         resolve_num_processes(config.train)  # more processes than GPUs; grad_accum that 'auto' does not split
     except (TrainError, DistError) as err:

@@ -6,8 +6,11 @@ Same contract as eagle3.stages: settings + upstream records in, one whole artifa
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +28,17 @@ from eagle3.draft.served_eval import ServedReport, heldout_prompt_rows, served_a
 from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
-from eagle3.stages import _done, stage_fingerprint
+from eagle3.draft.online_data import GIB, OnlineConfig, OnlineData, OnlineSample, check_buffer, plan_text
+from eagle3.data.target import TargetConfig
+from eagle3.engine import pool as engine_pool
+from eagle3.engine.client import EngineGone
+from eagle3.engine.placement import pin_process, split_cpus, trainer_on
+from eagle3.stages import _done, online_target_config, stage_fingerprint, states_fingerprint, target_engine
 
 VOCAB_FILE = "vocab.safetensors"
-TrainProgress = Callable[[int, int, float], None]
+TrainProgress = Callable[..., None]  # (step, steps, loss), and online: tokens captured so far
+CAPTURE_ATTEMPTS = 3  # an engine that died mid-epoch is loaded afresh (twice at most), and the capture asked again
+log = logging.getLogger(__name__)
 
 
 # -- vocab -------------------------------------------------------------------------------
@@ -64,7 +74,7 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
     for name, default in ADDED_WITH_DEFAULT.items():  # a setting added later, at its default: the old fingerprint
         if settings[name] == default:
             del settings[name]
-    return stage_fingerprint("train", settings, extracted.fingerprint, vocab.fingerprint, target.fingerprint)
+    return stage_fingerprint("train", settings, states_fingerprint(extracted), vocab.fingerprint, target.fingerprint)
 
 
 def _target_text_config(target: StageRecord) -> dict | None:
@@ -85,11 +95,14 @@ def _target_text_config(target: StageRecord) -> dict | None:
 
 
 def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
-              progress: TrainProgress | None = None, init_from: Path | None = None) -> StageRecord:
+              progress: TrainProgress | None = None, init_from: Path | None = None,
+              online: OnlineSetup | None = None, say: Callable[[str], None] = print) -> StageRecord:
     """Trains in place (checkpoints under the artifact folder), so a killed run resumes.
 
     `init_from`: an exported draft to start from (the nightly warm start); the caller puts its
     identity into `fp`.
+    `online`: train.data online/hybrid: the target engine captures what the extract record did not store
+    (online_data); the stage tells `say` the plan first.
 
     Every checkpoint is scored by simulated acceptance on the held-out store; the record's
     `checkpoint` is the best one (the export takes it), `last_checkpoint` the last.
@@ -103,7 +116,15 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
              "vocab_path": vocab.path / VOCAB_FILE, "heldout_store_dir": heldout if len(StoreReader(heldout)) else None,
              "init_from": init_from}
     processes = resolve_num_processes(config)  # per machine; train.nnodes machines (this one is node 0)
-    if processes > 1 or config.nnodes > 1:
+    if config.data != "store":
+        if online is None:
+            raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
+                             "passes them (run_train(online=OnlineSetup(...)))")
+        with online_data(config, online, target, extracted, root, fp, say) as data:
+            both = None if progress is None else (  # steps trained and tokens the engine captured so far
+                lambda step, total, loss: progress(step, total, loss, data.capture.tokens))
+            result = train_draft(config, out_dir=final, progress=both, online=data, **paths)
+    elif processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
     else:
         result = train_draft(config, out_dir=final, progress=progress, **paths)
@@ -123,8 +144,88 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         "init_from": str(init_from) if init_from is not None else "",
         "processes": processes,
         "nnodes": config.nnodes,
-    }
+        "data": config.data,
+    } | result.online
     return mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint=fp, stats=stats))
+
+
+@dataclass(frozen=True)
+class OnlineSetup:
+    """What the train stage needs for train.data online/hybrid besides its own settings."""
+
+    online: OnlineConfig
+    target_config: TargetConfig
+    load_log: Path  # <run_dir>/logs/target_loads.jsonl: the engine's load or attach is a line of it
+
+
+@contextlib.contextmanager
+def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, extracted: StageRecord, root: Path,
+                fp: str, say: Callable[[str], None] = print) -> Iterator[OnlineData]:
+    """The train split's samples, the kept store and a capture through the target's warm engine (eagle3.engine):
+    the one the extract stage of this run attached to, or attached/started now. Tells `say` the plan first."""
+    info = TargetInfo.read(target.path)
+    if "train_kept" not in extracted.stats:
+        raise ValueError(f"train.data={config.data!r}, but the extract artifact {extracted.path} stored the whole train "
+                         "split (train.data='store'); the flow sets extract.store_budget_gib for online/hybrid runs")
+    dtype = StoreReader(extracted.path / "heldout", verify=False).dtype
+    storage = getattr(torch, dtype)
+    check_buffer(setup.online.buffer_gib, config.batch_tokens, len(info.aux_layer_ids) + 1, info.hidden_size, storage)
+    samples = [OnlineSample(s.input_ids, s.loss_mask)
+               for s in conversations.read_samples(Path(str(extracted.stats["train_samples_file"])))]
+    limit = setup.target_config.max_model_len - 1  # extract.too_long: refused by the extract stage, else truncated
+    samples = [OnlineSample(s.input_ids[:limit], s.loss_mask[:limit]) for s in samples]
+    kept = int(extracted.stats["train_kept"])
+    rate = extracted.stats.get("capture_tokens_per_s")
+    budget = extracted.stats.get("store_budget_gib")
+    say(f"train: {plan_text([len(s.input_ids) for s in samples], kept, config.batch_tokens, budget, rate)}")
+    cpus = None if torch.cuda.is_available() else split_cpus(setup.online.engine_cpus)  # (engine's, trainer's)
+    if cpus is not None:
+        say(f"train: the engine on CPUs {sorted(cpus[0])}, the trainer on {sorted(cpus[1])} (online.engine_cpus="
+            f"{setup.online.engine_cpus})")
+    capture = _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size,
+                             None if cpus is None else cpus[0])
+    folder = Path(setup.online.buffer_dir) if setup.online.buffer_dir else root / "online_buffer" / fp
+    with trainer_on(None if cpus is None else cpus[1]):
+        yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None,
+                         capture=capture, buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
+                         aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage)
+
+
+class _EngineCapture:
+    """eagle3.draft.online_data.Capture over the target's warm engine; an engine that dies (kill -9, a crash) is
+    loaded afresh and asked again, CAPTURE_ATTEMPTS times in all, so a run outlives its engine."""
+
+    def __init__(self, setup: OnlineSetup, target: StageRecord, layer_ids: list[int], hidden_size: int,
+                 engine_cpus: frozenset[int] | None) -> None:
+        self.get_engine = target_engine(online_target_config(setup.target_config), target, setup.load_log)
+        self.layer_ids, self.hidden_size, self.engine_cpus = layer_ids, hidden_size, engine_cpus
+        self.pinned: set[int] = set()
+        self.tokens = 0  # captured so far (the train stage's progress shows it beside the steps)
+
+    def _engine(self) -> object:
+        engine = self.get_engine()
+        pid = getattr(engine, "pid", None)  # a warm engine process (an in-process engine is never pinned)
+        if self.engine_cpus is not None and pid is not None and pid not in self.pinned:
+            pin_process(pid, self.engine_cpus)  # online.engine_cpus: the engine's cores, apart from the trainer's
+            self.pinned.add(pid)
+        return engine
+
+    def __call__(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        from eagle3.capture.source import open_source
+
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            try:
+                source = open_source("vllm", self._engine(), hidden_size=self.hidden_size, batch_tokens=1)
+                states = source.capture(prompts, self.layer_ids)  # per prompt [T, n_aux+1, H] float32
+                self.tokens += sum(len(p) for p in prompts)
+                return states
+            except EngineGone as err:
+                if attempt == CAPTURE_ATTEMPTS:
+                    raise
+                log.warning("online capture: %s; loading the target afresh (attempt %d of %d)", err, attempt + 1,
+                            CAPTURE_ATTEMPTS)
+                engine_pool.release_all(keep_warm=True)  # forget the dead one: the next acquire starts a new engine
+        raise AssertionError("unreachable")
 
 
 # -- export ------------------------------------------------------------------------------
@@ -150,7 +251,7 @@ def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, ro
 def fingerprint_evaluate(config: EvalConfig, exported: StageRecord | str, extracted: StageRecord) -> str:
     """`exported`: the export record, or its fingerprint."""
     return stage_fingerprint("evaluate", config, exported if isinstance(exported, str) else exported.fingerprint,
-                             extracted.fingerprint)
+                             states_fingerprint(extracted))
 
 
 def chain_fingerprints(train: TrainConfig, evaluate: EvalConfig, target: StageRecord, extracted: StageRecord,

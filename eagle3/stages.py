@@ -267,7 +267,33 @@ def fingerprint_extract(config: ExtractConfig, target_config: TargetConfig, prep
                 "aux_layer_ids": target.stats["aux_layer_ids"]}
     if config.too_long == "truncate":  # then max_model_len changes what is stored
         settings["max_model_len"] = target_config.max_model_len
+    if config.store_budget_gib is not None:  # online/hybrid: the train split is stored only up to the budget
+        settings["store_budget_gib"] = config.store_budget_gib
     return stage_fingerprint("extract", settings, prepared.fingerprint, target.fingerprint)
+
+
+def states_fingerprint(extracted: StageRecord) -> str:
+    """Names the hidden states training reads, however they reach it: an online/hybrid extract artifact records the
+    fingerprint the full store of the same data would have (train and evaluate are named by it, so the three
+    train.data modes share one train artifact), a store's own fingerprint is that."""
+    return str(extracted.stats.get("states_fingerprint", extracted.fingerprint))
+
+
+def online_extract_config(data: str, config: ExtractConfig) -> ExtractConfig:
+    """The extract settings a run uses for train.data `data`: 'online' stores none of the train split
+    (extract.store_budget_gib 0), 'hybrid' up to extract.store_budget_gib, 'store' all of it (unchanged)."""
+    return config.model_copy(update={"store_budget_gib": 0.0}) if data == "online" else config
+
+
+ONLINE_KEEP_WARM_S = 60.0  # train.data online/hybrid: the least target.keep_warm_s (the engine must be a process)
+
+
+def online_target_config(config: TargetConfig) -> TargetConfig:
+    """train.data online/hybrid: the target runs in a warm engine process (eagle3.engine), never in-process, so that
+    it stays loaded from extract through training beside the trainer: target.keep_warm_s at least ONLINE_KEEP_WARM_S
+    (how long a failed run leaves it up; a finished run stops it after training)."""
+    keep = engine_pool.keep_warm_seconds(config.keep_warm_s)
+    return config.model_copy(update={"keep_warm_s": max(keep, ONLINE_KEEP_WARM_S)})
 
 
 def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: StageRecord, target: StageRecord,
@@ -283,6 +309,7 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     else:
         get_engine = target_engine(target_config, target, load_log)  # the pool loads or attaches once per process
     splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
+    online = _keep_within_budget(config, target_config, info, splits, dtype)  # train.data online/hybrid
     shards = {split: -(-len(samples) // config.samples_per_shard) for split, samples in splits.items()}
     stats: dict[str, int | float | str] = {}
     engines_wrote: dict[str, int] | None = None
@@ -301,19 +328,46 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
         def get_engine() -> object:  # every shard is written: asking for an engine now would be a bug
             raise RuntimeError("extract: the data-parallel engines left shards unwritten")
     offset, tokens_before = 0, 0  # one bar for both splits: the held-out shards count after the train ones
+    seconds_written, tokens_written = 0.0, 0
     for split, samples in splits.items():
         tokens = sum(len(s.input_ids) for s in samples)
         per_shard = tokens / max(shards[split], 1)  # the rate's tokens: shards hold equal sample counts, not tokens
         report = None if progress is None else (
             lambda done, _total, o=offset, b=tokens_before, t=per_shard:
             progress(o + done, sum(shards.values()), int(b + done * t)))
+        started = time.monotonic()
         result = extract_store(
             samples, final / split, get_engine=get_engine, aux_layer_ids=info.aux_layer_ids,
             num_layers=info.num_layers, hidden_size=info.hidden_size, config=config, dtype=dtype, progress=report,
             max_model_len=target_config.max_model_len,
         )
+        if result.shards_written:  # the measured extraction rate (the hybrid plan's target time per epoch)
+            seconds_written += time.monotonic() - started
+            tokens_written += result.tokens * result.shards_written // max(shards[split], 1)
         offset, tokens_before = offset + shards[split], tokens_before + tokens
         written = result.shards_written if engines_wrote is None else engines_wrote[split]
         stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,
                   f"{split}_shards_written": written, f"{split}_shards_reused": shards[split] - written}
+    if online is not None:
+        stats |= online | {"states_fingerprint": fingerprint_extract(config.model_copy(update={"store_budget_gib": None}),
+                                                                      target_config, prepared, target),
+                           "train_samples_file": str(prepared.path / "train.jsonl")}
+        if seconds_written:
+            stats["capture_tokens_per_s"] = round(tokens_written / seconds_written, 1)
     return mark_complete(final, StageRecord(stage="extract", uri=str(final), fingerprint=fp, stats=stats))
+
+
+def _keep_within_budget(config: ExtractConfig, target_config: TargetConfig, info: TargetInfo, splits: dict,
+                        dtype: object) -> dict[str, int | float] | None:
+    """extract.store_budget_gib set (train.data online/hybrid): cut splits["train"] to the first samples whose states
+    fit; returns {"train_kept", "train_samples_total"} (None: the whole train split is stored)."""
+    if config.store_budget_gib is None:
+        return None
+    from eagle3.draft.online_data import GIB, kept_samples
+
+    checked = check_inputs(splits["train"], info.aux_layer_ids, info.num_layers, target_config.max_model_len, config.too_long)
+    kept = kept_samples([len(s.input_ids) for s in checked], int(config.store_budget_gib * GIB), len(info.aux_layer_ids) + 1,
+                        info.hidden_size, dtype)
+    total = len(splits["train"])
+    splits["train"] = splits["train"][:kept]
+    return {"train_kept": kept, "train_samples_total": total, "store_budget_gib": config.store_budget_gib}

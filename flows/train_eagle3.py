@@ -8,6 +8,12 @@ upstream records, checks that the artifact is whole, and calls the task. The tar
 loaded by the first stage that has real work for it (regenerate or extract) and shared
 by both; it is released before training.
 
+train.data online/hybrid (docs/online-training.md): the target runs in a warm engine process
+(eagle3.engine) that stays loaded from extract through train and captures the train split's
+states as the trainer goes; extract stores only the held-out split and, for hybrid, the train
+samples that fit extract.store_budget_gib. The engine is stopped right after train, and one `gpu`
+slot ("online") is held from the first gpu_cleanup to evaluate (the engine spans both blocks).
+
 Two blocks hold the `gpu` concurrency slot (tasks.gpu_slot.gpu_slot), so that two runs never
 share the GPUs: from the first gpu_cleanup until the target is released and the GPUs are
 verified clean, and from train to evaluate.
@@ -18,6 +24,7 @@ id: every stage that finished comes back Cached, the failed one and those after 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,7 +80,10 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
     each of `also_check` (a sweep's points) are checked against the target right after stage_target."""
     run_dir = Path(config.run_dir)
     engine_pool.check_sleep_during_train(config.target.sleep_during_train)
-    with gpu_slot(run_dir, "target"):
+    online = config.train.data != "store"  # the engine stays loaded into training: the caller holds the slot
+    target_config = stages.online_target_config(config.target) if online else config.target
+    extract_config = stages.online_extract_config(config.train.data, config.extract)
+    with contextlib.nullcontext() if online else gpu_slot(run_dir, "target"):
         cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
         target = run.stage("stage_target", data_tasks.stage_target, stages.fingerprint_target(config.target),
                            config=config.target, cache_dir=config.builtin_cache)
@@ -81,17 +91,17 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
             check_against_target(checked, TargetInfo.read(target.path))  # in seconds, not after extraction
         regen = run.stage("regenerate", data_tasks.regenerate,
                           stages.fingerprint_regenerate(config.regenerate, config.data, target, config.target.max_model_len),
-                          config=config.regenerate, data_config=config.data, target_config=config.target, target=target,
+                          config=config.regenerate, data_config=config.data, target_config=target_config, target=target,
                           load_log=load_log)
         prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(config.data, regen, target),
                              config=config.data, regenerated=regen, target=target, trust_remote_code=config.target.trust_remote_code)
         outcome["data"] = data_report(regen, prepared)
-        extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(config.extract, config.target, prepared, target),
-                              config=config.extract, target_config=config.target, prepared=prepared, target=target, load_log=load_log)
-        # free the target's memory before training: our warm engine stops, or sleeps (target.sleep_during_train)
-        engine_pool.release_all(keep_warm=False, sleep=config.target.sleep_during_train)
-        engine_pool.make_room(default_cache_dir(), "", load_log)  # and other runs' idle engines on the GPUs: training needs them
-        cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
+        extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(extract_config, config.target, prepared, target),
+                              config=extract_config, target_config=target_config, prepared=prepared, target=target, load_log=load_log)
+        if not online:  # free the target's memory before training: our warm engine stops, or sleeps (target.sleep_during_train)
+            engine_pool.release_all(keep_warm=False, sleep=config.target.sleep_during_train)
+            engine_pool.make_room(default_cache_dir(), "", load_log)  # and other runs' idle engines on the GPUs: training needs them
+            cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
     return target, prepared, extracted
 
 
@@ -124,13 +134,17 @@ def fanned_out_stages(run: StageRunner, config: PipelineConfig, outcome: dict[st
 
 
 def draft_chain(run: StageRunner, config: PipelineConfig, target: StageRecord, extracted: StageRecord,
-                vocab: StageRecord, chain: Chain, tag: str = "") -> Chain:
+                vocab: StageRecord, chain: Chain, tag: str = "", online: draft_stages.OnlineSetup | None = None) -> Chain:
     """train -> export -> evaluate, holding the `gpu` slot; `chain` is filled as each stage finishes
-    (so a failure still leaves what was done). `tag` is appended to the printed stage names."""
+    (so a failure still leaves what was done). `tag` is appended to the printed stage names.
+    `online` (train.data online/hybrid): the caller holds the slot, the target's engine captures during train
+    and is stopped right after it."""
     fps = draft_stages.chain_fingerprints(config.train, config.eval, target, extracted, vocab)
-    with gpu_slot(Path(config.run_dir), "draft"):
+    with contextlib.nullcontext() if online else gpu_slot(Path(config.run_dir), "draft"):
         chain.trained = run.stage("train", draft_tasks.train, fps["train"], label=f"train{tag}", config=config.train,
-                                  target=target, extracted=extracted, vocab=vocab)
+                                  target=target, extracted=extracted, vocab=vocab, online=online)
+        if online is not None:
+            engine_pool.release_all(keep_warm=False)  # training is over: the engine this run started stops
         chain.exported = run.stage("export", draft_tasks.export, fps["export"], label=f"export{tag}", target=target,
                                    trained=chain.trained, vocab=vocab)
         chain.evaluated = run.stage("evaluate", draft_tasks.evaluate, fps["evaluate"], label=f"evaluate{tag}",
@@ -151,14 +165,22 @@ def train_eagle3(config: PipelineConfig) -> RunSummary:
     started = time.time()
     chain = Chain()
     try:
-        if config.extract.parts > 1:
-            target, extracted = fanned_out_stages(run, config, outcome)
-            prepared = extracted  # the assembled artifact holds both (eagle3.ops.incremental)
+        if config.train.data != "store":  # one slot from the first gpu_cleanup to evaluate: the engine spans both
+            with gpu_slot(run_dir, "online"):
+                target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome)
+                vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(config.vocab, prepared),
+                                  config=config.vocab, prepared=prepared, target=target)
+                setup = draft_stages.OnlineSetup(config.online, stages.online_target_config(config.target), load_log)
+                draft_chain(run, config, target, extracted, vocab, chain, online=setup)
         else:
-            target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome)
-        vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(config.vocab, prepared),
-                          config=config.vocab, prepared=prepared, target=target)
-        draft_chain(run, config, target, extracted, vocab, chain)
+            if config.extract.parts > 1:
+                target, extracted = fanned_out_stages(run, config, outcome)
+                prepared = extracted  # the assembled artifact holds both (eagle3.ops.incremental)
+            else:
+                target, prepared, extracted = target_stages(run, config, load_log, cleanups, outcome)
+            vocab = run.stage("vocab", draft_tasks.vocab, draft_stages.fingerprint_vocab(config.vocab, prepared),
+                              config=config.vocab, prepared=prepared, target=target)
+            draft_chain(run, config, target, extracted, vocab, chain)
     finally:
         engine_pool.release_all(keep_warm=True)  # a failed run leaves its warm engine up for target.keep_warm_s
         summary = RunSummary(stages=list(run.rows), gpu_cleanup=cleanups, target_loads=loads_since(load_log, started),

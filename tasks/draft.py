@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
+from prefect.logging import get_run_logger
 
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
 from eagle3.draft.evaluate import EvalConfig
 from eagle3.draft.train_config import TrainConfig
 from eagle3.draft.vocab import VocabConfig
+from tasks import console
 from tasks.progress import progress_reporter
 
 
@@ -21,10 +23,19 @@ def vocab(config: VocabConfig, prepared: StageRecord, target: StageRecord, root:
 
 
 @task(name="train")
-def train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str) -> StageRecord:
+def train(config: TrainConfig, target: StageRecord, extracted: StageRecord, vocab: StageRecord, root: Path, fp: str,
+          online: draft_stages.OnlineSetup | None = None) -> StageRecord:
     report = progress_reporter("train", "steps")
-    return draft_stages.run_train(config, target, extracted, vocab, root, fp,
-                                  progress=lambda step, total, loss: report(step, total, detail=f"loss {loss:.3f}"))
+
+    def progress(step: int, total: int, loss: float, captured: int | None = None) -> None:
+        online_part = "" if captured is None else f", {captured:,} tokens captured"  # train.data online/hybrid
+        report(step, total, detail=f"loss {loss:.3f}{online_part}")
+
+    def say(text: str) -> None:  # the online plan: on the console and in the run log
+        console.say(text)
+        get_run_logger().info(text)
+
+    return draft_stages.run_train(config, target, extracted, vocab, root, fp, online=online, say=say, progress=progress)
 
 
 @task(name="export")

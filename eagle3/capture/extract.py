@@ -76,10 +76,18 @@ class ExtractConfig(BaseModel):
     part_timeout_s: float = Field(
         default=86400.0, gt=0, description="Seconds to wait for one part's flow run before it counts as failed (then retried)"
     )
+    store_budget_gib: float | None = Field(
+        default=None, ge=0,
+        description="train.data='hybrid' only: GiB of the train split's states kept in the store (the first samples, in "
+        "store order, that fit); the rest are captured again each epoch while the draft trains. None: every state is "
+        "stored (train.data='store'); train.data='online' stores none of the train split",
+    )
 
 
-# How the extraction is spread over machines, not what it stores: not part of the extract fingerprint.
-FAN_OUT_SETTINGS = {"parts", "part_deployment", "part_timeout_s"}
+# How the extraction is spread over machines, not what it stores: not part of the extract fingerprint. Also
+# store_budget_gib, which eagle3.stages.fingerprint_extract adds itself only when set (so a store run's fingerprint
+# stays what it was; parts never run with it: eagle3.config refuses online/hybrid with extract.parts > 1).
+FAN_OUT_SETTINGS = {"parts", "part_deployment", "part_timeout_s", "store_budget_gib"}
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,7 @@ class BatchStream:
         self.pool = ThreadPoolExecutor(max_workers=run.config.loader_threads, thread_name_prefix="batches")
         self.copy_stream = torch.cuda.Stream(run.device) if run.device.type == "cuda" else None
         self.pending: deque[tuple[int, int, int, int, Future | None]] = deque()
+        self.feed = run.open_feed() if run.open_feed is not None else None  # train.data online/hybrid
         for _ in range(depth):
             self._submit()
 
@@ -201,14 +202,18 @@ class BatchStream:
         indices, self.epoch, self.cursor = next_batch_indices(self.run.lengths, c.seed, self.epoch, self.cursor, c.batch_tokens)
         tokens = sum(min(self.run.lengths[i], c.batch_tokens) for i in indices)
         mine = self.run.ctx.owns(self.index % c.grad_accum)
-        future = self.pool.submit(self._load, indices) if mine else None
+        future = self.pool.submit(self._load, indices, self.index) if mine else None
         self.pending.append((self.epoch, self.cursor, tokens, len(indices), future))
         self.index += 1
 
-    def _load(self, indices: list[int]) -> tuple[MicroBatch, torch.cuda.Event | None]:
+    def _load(self, indices: list[int], index: int) -> tuple[MicroBatch, torch.cuda.Event | None]:
         run = self.run
-        batch = read_batch(run.locations, indices, run.config.ttt_steps, run.config.batch_tokens,
+        # online: micro-batch `index` of this stream, captured into the buffer (eagle3.draft.online_data)
+        locations = run.locations if self.feed is None else self.feed.locations(index, indices)
+        batch = read_batch(locations, indices, run.config.ttt_steps, run.config.batch_tokens,
                            pin=self.copy_stream is not None)
+        if self.feed is not None:
+            self.feed.consumed(index)  # read into memory: its shard leaves the disk
         if self.copy_stream is None:
             return batch.map(lambda t: t.to(run.device)), None
         with torch.cuda.stream(self.copy_stream):  # host-to-device copies overlap the compute stream
@@ -237,4 +242,6 @@ class BatchStream:
         for *_, future in self.pending:
             if future is not None:
                 future.cancel()
+        if self.feed is not None:
+            self.feed.close()  # a loader waiting for a shard that will not come stops waiting
         self.pool.shutdown(wait=True)

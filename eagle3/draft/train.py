@@ -45,6 +45,7 @@ from eagle3.draft.export import ExportError, load_exported_draft
 from eagle3.draft.loss import EAGER, LossKernels, batch_loss, compiled_kernels
 from eagle3.draft.architecture import DraftArchitectureError, build_draft, draft_config_for, read_text_config, resolve
 from eagle3.draft.model import Eagle3Draft, init_draft
+from eagle3.draft.online_data import OnlineData, OnlineFeed
 from eagle3.draft.optim import MuonWithAdamW, build_optimizer
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 # the settings live in eagle3.draft.train_config; imported from here too
@@ -69,6 +70,7 @@ class TrainResult:
     resumed_from_step: int | None
     best_checkpoint: Path | None = None  # highest held-out acceptance; the last checkpoint without a held-out store
     evals: list[dict] = field(default_factory=list)  # evals.jsonl: step, acceptance_length, per_position, checkpoint
+    online: dict[str, float] = field(default_factory=dict)  # train.data online/hybrid: tokens_captured, capture_seconds, buffer_peak_bytes
 
 
 @dataclass
@@ -88,6 +90,9 @@ class _Run:
     ctx: ddp.DistContext
     master: list[torch.Tensor] | None = None  # fp32 copies of model.parameters() when the model holds bf16
     kernels: LossKernels = EAGER  # compiled_kernels() with train.compile
+    online: OnlineData | None = None  # train.data online/hybrid: the samples captured as the trainer goes
+    open_feed: Callable[[], OnlineFeed] | None = None  # the BatchStream's feed, from (epoch, cursor) at its start
+    feeds: list[OnlineFeed] = field(default_factory=list)  # every feed opened (their figures go into the result)
     greedy_cache: dict[str, torch.Tensor] = field(default_factory=dict)  # held-out scoring: the target's greedy tokens
     step: int = 0
     epoch: int = 0
@@ -95,12 +100,32 @@ class _Run:
     tokens_seen: int = 0
 
 
+class _Layout:
+    """What the trainer reads of its data before training: aux ids, hidden size, and where each sample is."""
+
+    def __init__(self, store_dir: Path, online: OnlineData | None) -> None:
+        if online is None:
+            reader = StoreReader(store_dir)
+            self.aux_layer_ids, self.hidden_size = reader.aux_layer_ids, reader.hidden_size
+            self.locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
+            self.lengths = [shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in self.locations]
+        else:  # online/hybrid: the feed says where each micro-batch's samples are once captured
+            self.aux_layer_ids, self.hidden_size = list(online.aux_layer_ids), online.hidden_size
+            self.locations, self.lengths = [], [len(s.input_ids) for s in online.samples]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
 def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Path, vocab_path: Path,
-           init_from: Path | None) -> _Run:
+           init_from: Path | None, online: OnlineData | None = None) -> _Run:
     ctx = ddp.context_from_env()
     config = with_effective_grad_accum(config, ddp.device_for(ctx).type == "cuda", ctx.world_size)  # tokens_per_step
     ddp.check_grad_accum(config.grad_accum, ctx)
-    reader = StoreReader(store_dir)
+    if online is not None and ctx.world_size > 1:
+        raise TrainError(f"train.data={config.data!r} with {ctx.world_size} training processes: online data feeds one "
+                         "process for now; set train.num_processes=1 and train.nnodes=1, or train.data='store'")
+    reader = _Layout(store_dir, online)
     target = read_target_config(target_dir)
     mapping: VocabMapping = load_mapping(vocab_path)
     if mapping.target_vocab_size != target.vocab_size:
@@ -144,13 +169,19 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     meta = {"train_config": settings, "draft_config": draft_config.model_dump(),
             "aux_layer_ids": reader.aux_layer_ids, "num_samples": len(reader),
             "init_from": None if init_from is None else str(init_from)}
-    locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
-    lengths = [shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in locations]
+    locations, lengths = reader.locations, reader.lengths
     if too_long := sum(length > config.batch_tokens for length in lengths):
         log.warning("%d of %d samples are longer than train.batch_tokens=%d; they are cut to that length",
                     too_long, len(lengths), config.batch_tokens)
-    return _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx, master,
-                compiled_kernels() if compile_on else EAGER)
+    run = _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx, master,
+               compiled_kernels() if compile_on else EAGER, online)
+    if online is not None:
+        def open_feed() -> OnlineFeed:
+            run.feeds.append(OnlineFeed(online, run.lengths, config.seed, config.batch_tokens, run.epoch, run.cursor))
+            return run.feeds[-1]
+
+        run.open_feed = open_feed
+    return run
 
 
 def _allow_graphs(ttt_steps: int) -> None:
@@ -352,6 +383,7 @@ def train_draft(
     stop_after: int | None = None,
     heldout_store_dir: Path | None = None,
     init_from: Path | None = None,
+    online: OnlineData | None = None,
 ) -> TrainResult:
     """Train (or resume training) the draft; checkpoints, losses.jsonl and evals.jsonl go under out_dir.
 
@@ -359,6 +391,8 @@ def train_draft(
     checkpoint: it behaves like an interruption (tests use it to check resume).
     `heldout_store_dir`: score every checkpoint by simulated acceptance there (see the module docstring).
     `init_from`: an exported draft folder to start from instead of fresh weights (warm start).
+    `online`: train.data online/hybrid: the samples and the capture (eagle3.draft.online_data); `store_dir`
+    is then unused (the kept samples' store is in `online`).
     """
     started = time.monotonic()
     out_dir = Path(out_dir)
@@ -367,12 +401,22 @@ def train_draft(
     deterministic = config.deterministic if config.deterministic is not None else not torch.cuda.is_available()
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
-        run = _setup(config, Path(store_dir), Path(target_dir), Path(head_path), Path(vocab_path), init_from)
+        run = _setup(config, Path(store_dir), Path(target_dir), Path(head_path), Path(vocab_path), init_from, online)
         resumed = _resume(run, out_dir)
         result = _loop(run, out_dir, resumed, progress, stop_after, heldout_store_dir, Path(head_path), target_dir)
     finally:
         torch.use_deterministic_algorithms(previous_determinism)
-    return replace(result, seconds=time.monotonic() - started)
+    return replace(result, seconds=time.monotonic() - started, online=_online_stats(run))
+
+
+def _online_stats(run: _Run) -> dict[str, float]:
+    """The figures of every feed this call opened (tokens captured, capture seconds, peak buffer bytes)."""
+    if not run.feeds:
+        return {}
+    figures = [feed.stats() for feed in run.feeds]
+    return {"tokens_captured": sum(f["tokens_captured"] for f in figures),
+            "capture_seconds": round(sum(f["capture_seconds"] for f in figures), 3),
+            "buffer_peak_bytes": max(f["buffer_peak_bytes"] for f in figures)}
 
 
 def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[[int, int, float], None] | None,

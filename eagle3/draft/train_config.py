@@ -15,7 +15,7 @@ from eagle3.draft import ddp
 from eagle3.draft.architecture import DraftSettings
 
 # Settings that may change between an interrupted run and its resume.
-_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
+_RESUMABLE_CHANGES = {"data", "steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
                       "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout", "select"}
 # Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
 # so an upgrade does not retrain drafts whose settings did not change.
@@ -26,7 +26,9 @@ AUTO_TOKENS_PER_STEP_CUDA = 16_384
 # fingerprint_train hold it resolved); every run before the setting trained the Llama-style draft.
 ADDED_WITH_DEFAULT["draft"] = DraftSettings(architecture="llama").model_dump()
 # Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
-RUNTIME_ONLY = {"compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
+# train.data is one of them: online and hybrid give the store run's losses (within 1e-5, tests/eagle3/test_online.py),
+# so the three name one train artifact.
+RUNTIME_ONLY = {"data", "compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
 
 
 class TrainError(RuntimeError):
@@ -54,6 +56,14 @@ class TrainConfig(BaseModel):
     draft: DraftSettings = Field(
         default_factory=DraftSettings, description="The draft's architecture and, for the MLA draft, its shapes "
         "(train.draft.architecture: auto | llama | deepseek_mla; eagle3.draft.architecture)."
+    )
+    data: Literal["store", "online", "hybrid"] = Field(
+        default="store", description="Where the trainer's hidden states come from: 'store' (the extract stage stores "
+        "every sample's states first), 'online' (the target engine stays loaded through training and captures each "
+        "micro-batch just ahead of the trainer into a bounded buffer, online.buffer_gib; a shard is deleted once read; "
+        "every epoch captures again), or 'hybrid' (the first samples whose states fit extract.store_budget_gib are "
+        "stored, the rest captured online each epoch). The same losses in all three (docs/online-training.md); not "
+        "part of the stage's fingerprint."
     )
     warmup_steps: int = Field(default=50, ge=0, description="Steps of linear warm-up from 0 to learning_rate.")
     min_lr_ratio: float = Field(

@@ -70,7 +70,8 @@ def stage_fingerprints(config: PipelineConfig) -> dict[str, str]:
     regen = record("regenerate", stages.fingerprint_regenerate(config.regenerate, config.data, target,
                                                                 config.target.max_model_len))
     prepared = record("prepare_data", stages.fingerprint_prepare(config.data, regen, target))
-    extracted = record("extract", stages.fingerprint_extract(config.extract, config.target, prepared, target))
+    extract = stages.online_extract_config(config.train.data, config.extract)  # as the flow runs it
+    extracted = record("extract", stages.fingerprint_extract(extract, config.target, prepared, target))
     vocab = record("vocab", draft_stages.fingerprint_vocab(config.vocab, prepared))
     fps.update(draft_stages.chain_fingerprints(config.train, config.eval, target, extracted, vocab))
     return fps
@@ -119,11 +120,13 @@ def _value_at(config: BaseModel, path: str) -> object:
 
 def _baselines() -> list[dict]:
     """Runs to compare against: the tiny preset (with an absolute artifact_root, which extract.parts > 1 needs),
-    the same with extract.too_long=truncate (which stores up to target.max_model_len), and with what
-    train.nnodes > 1 needs beside it (a rendezvous endpoint and a grad_accum that splits over the machines)."""
+    the same with extract.too_long=truncate (which stores up to target.max_model_len), with what
+    train.nnodes > 1 needs beside it (a rendezvous endpoint and a grad_accum that splits over the machines), and
+    train.data=hybrid with its extract.store_budget_gib."""
     tiny = merge_settings(PRESETS["tiny"], {"artifact_root": "/srv/eagle3-artifacts"})
     return [tiny, _with(tiny, "extract.too_long", "truncate"),
-            merge_settings(tiny, {"train": {"rdzv_endpoint": "node0.cluster:29400", "grad_accum": 8}})]
+            merge_settings(tiny, {"train": {"rdzv_endpoint": "node0.cluster:29400", "grad_accum": 8}}),
+            merge_settings(tiny, {"train": {"data": "hybrid"}, "extract": {"store_budget_gib": 1.0}})]
 
 
 def first_rerun(path: str, info: FieldInfo, known: dict[str, list[object]]) -> str | None:

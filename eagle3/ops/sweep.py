@@ -168,6 +168,11 @@ def expand_points(base: PipelineConfig, axes: Sequence[GridAxis]) -> list[SweepP
                               f"from {given}): {_problem(err)}") from None
         dumped = config.model_dump()
         points.append(SweepPoint(index=index, settings={k: _leaf(dumped, k) for k in settings}, config=config))
+    online = sorted({p.config.train.data for p in points} - {"store"})
+    if online:  # every point trains from the one extraction the sweep stores (eagle3/draft/online_data.py: not built)
+        raise ConfigError(f"train.data={online[0]!r}: eagle3 sweep trains every point from one stored extraction; online "
+                          "and hybrid data are not built for sweeps yet; set train.data='store' (or run the points "
+                          "with eagle3 run)")
     return points
 
 
