@@ -20,7 +20,8 @@ producer: shards are written in the order the loader reads them, and every shard
 of the loader, so each read frees room.
 
 What a trainer process needs from the engine is a single callable, `Capture` (prompts -> per prompt
-[T, n_aux+1, H]); the stage builds it around the warm engine (eagle3.draft_stages), tests may give
+[T, n_aux+1, H]); the stage builds it around the warm engine (eagle3.draft_stages), `SourceCapture`
+wraps an in-process source (the HF backend: benchmarks/online_vs_store.py, tests), tests may give
 any function. Not built yet: a producer on another machine (the buffer would be a shared folder and
 the shard index the handshake), and data-parallel trainers (refused: train.num_processes must be 1).
 """
@@ -42,6 +43,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from eagle3.capture.source import HiddenStateSource
 from eagle3.capture.store import FP8, StoreReader, encode_states, write_safetensors
 from eagle3.draft.batches import next_batch_indices
 
@@ -62,6 +64,27 @@ class OnlineSample:
 
     input_ids: list[int]
     loss_mask: list[int]
+
+
+class SourceCapture:
+    """A `Capture` over a source in this process (eagle3.capture.source: `HFSource` on the trainer's GPU or CPU).
+
+    The producer thread runs the target itself: per prompt the states of `layer_ids` (the aux ids + the final
+    id N), copied to the host where the shard writer wants them. With CUDA the forward runs on a stream of its
+    own, so the copy waits for the capture only and the trainer's default stream never waits for it.
+    """
+
+    def __init__(self, source: HiddenStateSource, layer_ids: Sequence[int], device: torch.device) -> None:
+        self.source, self.layer_ids = source, list(layer_ids)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.tokens = 0  # captured so far, as the engine capture counts them
+
+    def __call__(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            states = self.source.capture(prompts, self.layer_ids)  # per prompt [T_i, n_aux+1, H] on the device
+            host = [s.to("cpu") for s in states]  # waits for this stream only
+        self.tokens += sum(len(p) for p in prompts)
+        return host
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,7 @@ def test_prefect_retry_of_a_run_whose_extract_failed_attaches_to_its_warm_engine
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from eagle3.engine.registry import live_engines
-    from flows.engine_cli import stop_engine
+    from eagle3.engine.client import stop_engine
 
     cache = Path(served.env["EAGLE3_CACHE_DIR"])
     run_dir = tmp_path / "run"

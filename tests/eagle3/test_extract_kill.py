@@ -26,7 +26,10 @@ SHARDS, KILL_AFTER = 8, 3
 CONFIG = ExtractConfig(samples_per_shard=2, batch_tokens=1, storage_dtype="float32")
 
 # The child runs the same extraction as the parent, with vLLM in-process, announcing each finished
-# shard; a short pause per shard (outside the capture) lets the parent kill it mid-run.
+# shard; a short pause per shard (outside the capture) lets the parent kill it mid-run. One writer and
+# one pending shard keep the capture at most two shards ahead of the writes: with more, on a loaded
+# machine the captures ran ahead of slow writes and the count jumped from 2 to all 8 at the end (seen
+# once), leaving nothing to kill. The write settings never change what is stored.
 CHILD = """
 import sys, time, torch
 from pathlib import Path
@@ -39,7 +42,8 @@ def progress(done, total):
     print("done", done, flush=True)
     time.sleep(pause)
 stats = extract_store(samples(), store, get_engine=lambda: vllm_adapter.acquire(spec(target)), aux_layer_ids=AUX,
-                      num_layers=N, hidden_size=H, config=config, dtype=torch.float32, progress=progress)
+                      num_layers=N, hidden_size=H, config=config, dtype=torch.float32, progress=progress,
+                      writer_threads=1, max_pending_shards=1)
 print("stats", stats.shards_written, stats.shards_reused, flush=True)
 """
 
