@@ -56,9 +56,9 @@ class VllmSource:
                        layer_ids: Sequence[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """(the ids the engine ran, states [T_i, len(layer_ids), H]) per prompt: `prompts` as prepared (one
         placeholder per image), `images` their image URLs (module docstring)."""
-        from eagle3.capture import vllm_adapter
+        from eagle3.capture.vllm_images import expand_prompts
 
-        expanded = vllm_adapter.expand_prompts(self._llm, prompts, images)
+        expanded = expand_prompts(self._llm, prompts, images)
         return expanded, self.capture(expanded, layer_ids, engine_prompts=(prompts, images))
 
     def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int],

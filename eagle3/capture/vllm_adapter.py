@@ -17,7 +17,7 @@ not built, and the runner passes token ids to the inner forward. `row_source(llm
 the capture the runner's own row map, which also covers engines that feed embeddings only.
 Data with images loads the tower (language_model_only=False, decided by the stages from the
 data): prompts then carry their images (`multi_modal_data`, in the modality the model's
-processor takes: Kimi-K2.5's `vision_chunk` items, else `image`), and `expand_prompts` gives
+processor takes: Kimi-K2.5's `vision_chunk` items, else `image`; eagle3.capture.vllm_images), and `expand_prompts` gives
 the token ids as the engine sees them (each image placeholder expanded by vLLM's own
 multimodal processor, through `LLM._preprocess_cmpl`: vLLM 0.32's, a private method).
 
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3.capture import cpu_kernels, process_threads, vllm_versions, vllm_workarounds
+from eagle3.capture.vllm_images import Images, expand_prompts, token_prompts  # noqa: F401 - expand_prompts re-exported
 from eagle3.capture.vllm_versions import SUPPORTED_TEXT, SUPPORTED_VLLM, VllmUnsupported, check_version  # noqa: F401 - re-exported
 from eagle3.gpu.preflight import target_preflight
 
@@ -278,54 +279,6 @@ def _counting_bar(on_finished: Callable[[int], None]):  # noqa: ANN202 - a tqdm 
     return functools.partial(CountingBar, file=io.StringIO(), mininterval=3600)
 
 
-Images = Sequence[Sequence[str]]  # per prompt, the URLs of its images in placeholder order (eagle3.data.images)
-
-
-def _prompts(llm, prompts: Sequence[Sequence[int]], images: Images | None) -> list[object]:  # noqa: ANN001
-    """vLLM TokensPrompts: token ids, and a prompt's images as `multi_modal_data` where it has any."""
-    from vllm.inputs import TokensPrompt
-
-    if not images or not any(images):
-        return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-    from eagle3.data.images import load_image
-
-    modality = _image_modality(llm)
-    out = []
-    for ids, urls in zip(prompts, images, strict=True):
-        prompt = TokensPrompt(prompt_token_ids=list(ids))
-        if urls:
-            pictures = [load_image(u) for u in urls]
-            prompt["multi_modal_data"] = {modality: [{"type": "image", "image": p, "uuid": None} for p in pictures]
-                                          if modality == "vision_chunk" else pictures}
-        out.append(prompt)
-    return out
-
-
-def _image_modality(llm) -> str:  # noqa: ANN001 - vllm.LLM
-    """The multimodal data key the model's processor takes images under ("vision_chunk": Kimi-K2.5's, else "image")."""
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    limits = MULTIMODAL_REGISTRY.get_processing_info(llm.llm_engine.vllm_config.model_config).get_supported_mm_limits()
-    if "image" in limits:
-        return "image"
-    if "vision_chunk" in limits:
-        return "vision_chunk"
-    raise VllmUnsupported(f"the target's multimodal processor takes {sorted(limits)}, no images; remove the images "
-                          "from the data")
-
-
-def expand_prompts(llm, prompts: Sequence[Sequence[int]], images: Images) -> list[list[int]]:  # noqa: ANN001
-    """The token ids the engine runs for `prompts` with `images`: vLLM's multimodal processor expands each image
-    placeholder to one position per image token (the same call `generate` makes first)."""
-    preprocess = getattr(llm, "_preprocess_cmpl", None)
-    if preprocess is None:
-        import vllm
-
-        raise VllmUnsupported(f"vLLM {vllm.__version__} has no LLM._preprocess_cmpl, which image capture uses to learn "
-                              "the ids the engine runs; capture data with images on the pinned vLLM (0.32)")
-    return [list(e["prompt_token_ids"]) for e in preprocess(_prompts(llm, prompts, images))]
-
-
 def _generate(llm, prompts: Sequence[Sequence[int]], params, on_finished: Callable[[int], None] | None = None,  # noqa: ANN001, ANN202
               images: Images | None = None):
     """`llm.generate` on token-id prompts (vllm.LLM, SamplingParams -> outputs); on an error, abort what is
@@ -333,7 +286,7 @@ def _generate(llm, prompts: Sequence[Sequence[int]], params, on_finished: Callab
     `images`: per prompt, its image URLs (None: text only)."""
     use_tqdm = False if on_finished is None else _counting_bar(on_finished)
     try:
-        return llm.generate(_prompts(llm, prompts, images), params, use_tqdm=use_tqdm)
+        return llm.generate(token_prompts(llm, prompts, images), params, use_tqdm=use_tqdm)
     except BaseException:
         engine = llm.llm_engine
         stuck = list(getattr(getattr(engine, "output_processor", None), "request_states", None) or [])
