@@ -26,6 +26,7 @@ stages, cached under --root), for each number of training samples N:
     python benchmarks/quality.py --samples 500 --epochs 9 --ttt-steps 5   # a recipe of ours (speculators: ttt 3, lr 1e-3)
     python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators   # train.optimizer=muon
     python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators --compare-last   # best vs last
+    benchmarks/levers.sh   # issue 31's levers, one after another over the same cached data
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     shutil.rmtree(root / "ours", ignore_errors=True)
     config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
                               checkpoint_every=max(1, steps // 8), seed=0, ttt_steps=args.ttt_steps,
-                              optimizer=args.optimizer, grad_accum=args.grad_accum,
+                              optimizer=args.optimizer, grad_accum=args.grad_accum, ttt_loss_decay=args.ttt_loss_decay,
                               draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1))
     paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
     ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
@@ -261,6 +262,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
     rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
                  "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
+                 "ttt_loss_decay": args.ttt_loss_decay,
                  "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
                  "cpu_s": ours_cpu, "wall_s": ours_wall,
                  "scoring_cpu_s": sum(scoring.values()),
@@ -338,6 +340,9 @@ def main() -> None:
                         help="our trainer's micro-batches per step (train.grad_accum): the same epochs in fewer steps")
     parser.add_argument("--eagle-3-1", action="store_true",
                         help="our draft with EAGLE 3.1's fc_norm and norm_output (train.draft.fc_norm/norm_output)")
+    parser.add_argument("--ttt-loss-decay", type=float, default=1.0,
+                        help="our trainer's loss weight of draft position k relative to the first: decay**k "
+                             "(train.ttt_loss_decay)")
     parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
                         help="draft vocabulary size (vocab.draft_vocab_size), for both trainers")
     args = parser.parse_args()

@@ -91,9 +91,11 @@ def compiled_kernels() -> LossKernels:
 
 
 def batch_loss(
-    model: Eagle3Draft, batch: MicroBatch, head: TargetHead, one_doc: bool = False, kernels: LossKernels = EAGER
+    model: Eagle3Draft, batch: MicroBatch, head: TargetHead, one_doc: bool = False, kernels: LossKernels = EAGER,
+    decay: float = 1.0,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Mean-over-steps loss and the per-step losses of one micro-batch.
+    """Loss of one micro-batch and its per-step losses: the mean over TTT steps, or with `decay` < 1 the
+    mean weighted by decay**step (train.ttt_loss_decay).
 
     `head.lm_head` holds only the draft vocabulary's rows of the target's; its dtype is the
     compute dtype. `one_doc`: the batch is one sample (plain causal attention).
@@ -109,4 +111,7 @@ def batch_loss(
             continue
         per_step.append(kernels.kl(draft_logits[:rows], probs[1 + step :], neg_entropy[1 + step :],
                                    batch.weights[step, :rows]))
-    return torch.stack(per_step).mean(), per_step
+    if decay == 1.0:
+        return torch.stack(per_step).mean(), per_step
+    weights = [decay**step for step in range(len(per_step))]
+    return sum(w * x for w, x in zip(weights, per_step, strict=True)) / sum(weights), per_step

@@ -234,7 +234,7 @@ def _train_step(run: _Run, stream: BatchStream) -> tuple[float, list[float], flo
             continue
         try:
             with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
-                loss, losses = batch_loss(run.model, batch, run.head, one_doc, run.kernels)
+                loss, losses = batch_loss(run.model, batch, run.head, one_doc, run.kernels, config.ttt_loss_decay)
             (loss / config.grad_accum).backward()
         except _compile_errors() as err:
             if run.kernels is EAGER:

@@ -19,7 +19,7 @@ _RESUMABLE_CHANGES = {"data", "steps", "checkpoint_every", "num_draft_tokens_eva
                       "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout", "select"}
 # Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
 # so an upgrade does not retrain drafts whose settings did not change.
-ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto", "select": "best"}
+ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto", "select": "best", "ttt_loss_decay": 1.0}
 # train.tokens_per_step='auto' on CUDA: tokens per optimizer step (8 micro-batches of 2,048 tokens)
 AUTO_TOKENS_PER_STEP_CUDA = 16_384
 # train.draft counts as the architecture it resolves to (eagle3.draft.architecture.resolve: the trainer's meta and
@@ -87,6 +87,12 @@ class TrainConfig(BaseModel):
         "same artifact."
     )
     ttt_steps: int = Field(default=3, ge=1, description="TTT unroll depth: draft tokens trained per position.")
+    ttt_loss_decay: float = Field(
+        default=1.0, gt=0, le=1, description="Weight of the loss of draft position k (k = 0 for the first draft "
+        "token) relative to the first: decay**k, the weights normalized to sum to one. 1.0 (default): every TTT step "
+        "counts the same, as EAGLE-3 trains. Below 1 the first draft tokens count more: a served draft's later "
+        "tokens are only accepted after the earlier ones (benchmarks/quality.py --ttt-loss-decay measures it)."
+    )
     checkpoint_every: int = Field(
         default=200, ge=1, description="Write a checkpoint every this many steps (and at the end)."
     )
