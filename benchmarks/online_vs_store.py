@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--samples-per-shard", type=int, default=8, help="extract.samples_per_shard of the store")
     parser.add_argument("--draft-vocab", type=int, help="draft vocabulary (default 32000, tiny 256)")
     parser.add_argument("--no-hybrid", action="store_true", help="skip the hybrid mode")
+    parser.add_argument("--no-online", action="store_true", help="skip the online mode (store is always run: the "
+                        "others' losses are compared with it)")
     parser.add_argument("--eager", action="store_true", help="train.compile=false (default: the trainer's, on for CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", default=".cache/online-vs-store",
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = [run_store(world)]
     report(rows[0], rows[0].losses, device.type == "cuda")
     budget = sum(world.lengths) * row_bytes(len(world.layer_ids), world.hidden, world.dtype) // 2
-    for mode in ("online",) if args.no_hybrid else ("online", "hybrid"):
+    for mode in [m for m, skip in (("online", args.no_online), ("hybrid", args.no_hybrid)) if not skip]:
         kept = 0 if mode == "online" else kept_samples(world.lengths, budget, len(world.layer_ids), world.hidden,
                                                        world.dtype)
         rows.append(run_online(world, mode, kept))
