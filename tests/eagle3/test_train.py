@@ -261,6 +261,43 @@ def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
         torch.testing.assert_close(per_step[step], want, rtol=1e-5, atol=1e-6)
 
 
+def test_ttt_loss_decay_weights_the_draft_positions_and_keeps_old_fingerprints_at_its_default():
+    """train.ttt_loss_decay=0.5: the loss is (L0 + 0.5 L1 + 0.25 L2) / 1.75 of the same per-step losses (the first
+    draft token counts most); at the default 1.0 it is their mean and the train fingerprint is the one from before
+    the setting; another decay is another artifact; a decay outside (0, 1] is refused naming the setting."""
+    from eagle3.artifacts import StageRecord
+    from eagle3.draft.batches import pack
+    from eagle3.draft.loss import batch_loss
+    from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
+    from eagle3.draft.target_head import read_target_config
+    from eagle3.draft.vocab import load_mapping
+    from eagle3.draft_stages import fingerprint_train
+    from tests.eagle3.draft_fixtures import tiny_head
+
+    world, head = tiny_world(), tiny_head()
+    mapping = load_mapping(world.vocab_path)
+    model = Eagle3Draft(DraftConfig.from_target(read_target_config(world.target_dir), num_aux_hidden_states=3,
+                                                draft_vocab_size=mapping.draft_vocab_size))
+    init_draft(model, head, mapping, seed=3)
+    batch = pack([StoreReader(world.train_store)[i] for i in (0, 1)], steps=3, max_tokens=64)
+    draft_head = type(head)(head.embed, head.norm_weight, head.norm_eps, head.lm_head[mapping.target_ids])
+    with torch.no_grad():
+        mean, per_step = batch_loss(model, batch, draft_head)
+        weighted, same = batch_loss(model, batch, draft_head, decay=0.5)
+    assert len({round(float(x), 6) for x in per_step}) == 3  # three different losses, so the weights matter
+    torch.testing.assert_close(mean, torch.stack(per_step).mean())
+    torch.testing.assert_close(weighted, (per_step[0] + 0.5 * per_step[1] + 0.25 * per_step[2]) / 1.75)
+    torch.testing.assert_close(torch.stack(same), torch.stack(per_step))
+
+    upstream = [StageRecord(stage=n, uri="/x", fingerprint=n) for n in ("extract", "vocab", "stage_target")]
+    plain = fingerprint_train(TrainConfig(steps=10, warmup_steps=1), *upstream)
+    assert plain == "c26cabe8f67fc68358c7"  # pinned before the setting existed (test_tokens_per_step)
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, ttt_loss_decay=0.8), *upstream) != plain
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValidationError, match="ttt_loss_decay"):
+            TrainConfig(ttt_loss_decay=bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_batches_read_straight_from_the_shards_equal_the_store_readers(tmp_path, dtype):
     from eagle3.capture.store import StoreWriter
