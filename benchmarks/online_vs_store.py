@@ -66,6 +66,7 @@ class Row:
     disk_peak: int = 0  # most bytes of the buffer on disk at once (online, hybrid; polled)
     captured: int = 0  # tokens captured while training
     losses: list[float] = field(default_factory=list)
+    step_ends: list[float] = field(default_factory=list)  # seconds from the train call's start to each step's end
 
 
 class World:
@@ -126,8 +127,10 @@ class World:
         """train_draft: (seconds, peak GPU bytes, its result)."""
         _reset_peak(self.device)
         started = time.perf_counter()
+        self.step_ends = []
         result = train_draft(self.train_config(mode), store_dir=store, target_dir=self.target_dir, head_path=self.head,
-                             vocab_path=self.vocab, out_dir=out, online=online, stop_after=stop_after)
+                             vocab_path=self.vocab, out_dir=out, online=online, stop_after=stop_after,
+                             progress=lambda *_: self.step_ends.append(time.perf_counter() - started))
         _sync(self.device)
         return time.perf_counter() - started, _peak(self.device), result
 
@@ -171,7 +174,7 @@ def run_store(world: World) -> Row:
         seconds, _, _ = world.train("store", world.root / "warm-up", store, None, stop_after=3)
         print(f"warm-up: 3 steps in {seconds:.1f} s (not counted)", flush=True)
     row.train_s, row.peak_train, result = world.train("store", world.root / "train-store", store, None)
-    row.losses = result.losses
+    row.losses, row.step_ends = result.losses, world.step_ends
     world.offload(False)
     shutil.rmtree(store)
     print(f"store: trained {result.steps_done} steps in {row.train_s:.1f} s", flush=True)
@@ -192,6 +195,7 @@ def run_online(world: World, mode: str, kept: int) -> Row:
                                                           kept_store or world.root, world.online_data(
                                                               kept, kept_store, buffer, capture))
     row.losses, row.captured = result.losses, int(result.online.get("tokens_captured", 0))
+    row.step_ends = world.step_ends
     # every shard's tensors: exact, where a poll can miss a shard read and deleted within 2 ms (headers: < 1 KB a shard)
     row.written += row.captured * row_bytes(len(world.layer_ids), world.hidden, world.dtype)
     row.disk_peak = watch.peak
@@ -237,6 +241,8 @@ def _samples(args: argparse.Namespace, vocab: int) -> list[TokenizedSample]:
     """Random tokens; lengths in (seq/2, seq] so each micro-batch and each capture forward holds one sample."""
     gen = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(args.seq // 2 + 1, args.seq + 1, (args.samples,), generator=gen).tolist()
+    if args.fixed_length:
+        lengths = [args.seq] * args.samples
     samples = []
     for i, length in enumerate(lengths):
         ids = torch.randint(0, vocab, (length,), generator=gen).tolist()
@@ -276,6 +282,11 @@ def report(r: Row, base: list[float], cuda: bool) -> None:
     diff = max((abs(a - b) for a, b in zip(r.losses, base, strict=True)), default=float("nan"))
     gpu = (f"peak GPU extract {r.peak_extract / GIB:.2f} / train {r.peak_train / GIB:.2f} GiB" if cuda
            else "peak GPU n/a (CPU)")
+    ends, first = r.step_ends, min(10, len(r.step_ends) - 1)
+    if first > 0:  # the first steps hold torch.compile's (re)compilation and the head's load; the rest run steady
+        print(f"{r.mode:<7} train: start to the end of step {first} {ends[first - 1]:.1f} s, the other "
+              f"{len(ends) - first} steps {ends[-1] - ends[first - 1]:.1f} s, after the last step "
+              f"{r.train_s - ends[-1]:.1f} s", flush=True)
     print(f"{r.mode:<7} wall {r.extract_s + r.train_s:8.1f} s (extract {r.extract_s:.1f} + train {r.train_s:.1f})  "
           f"{gpu}  written {r.written:,} B  buffer peak on disk {r.disk_peak:,} B  captured {r.captured:,} tokens  steps {len(r.losses)}  max|dloss|={diff:.2e}",
           flush=True)
@@ -293,6 +304,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--no-hybrid", action="store_true", help="skip the hybrid mode")
     parser.add_argument("--no-online", action="store_true", help="skip the online mode (store is always run: the "
                         "others' losses are compared with it)")
+    parser.add_argument("--fixed-length", action="store_true", help="every sample --seq tokens long (default: "
+                        "lengths in (seq/2, seq], as real data varies)")
     parser.add_argument("--eager", action="store_true", help="train.compile=false (default: the trainer's, on for CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", default=".cache/online-vs-store",
