@@ -33,6 +33,7 @@ from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from eagle3.engine.client import EngineGone
 from eagle3.engine.placement import pin_process, split_cpus, trainer_on
+from eagle3.gpu.devices import trainer_on_gpu
 from eagle3.stages import _done, online_target_config, stage_fingerprint, states_fingerprint, target_engine
 
 VOCAB_FILE = "vocab.safetensors"
@@ -120,14 +121,15 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         if online is None:
             raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
                              "passes them (run_train(online=OnlineSetup(...)))")
-        with online_data(config, online, target, extracted, root, fp, say) as data:
+        with online_data(config, online, target, extracted, root, fp, say) as data, trainer_on_gpu(config.devices):
             both = None if progress is None else (  # steps trained and tokens the engine captured so far
                 lambda step, total, loss: progress(step, total, loss, data.capture.tokens))
             result = train_draft(config, out_dir=final, progress=both, online=data, **paths)
     elif processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
     else:
-        result = train_draft(config, out_dir=final, progress=progress, **paths)
+        with trainer_on_gpu(config.devices):  # train.devices: its first GPU
+            result = train_draft(config, out_dir=final, progress=progress, **paths)
     if result.checkpoint is None or result.best_checkpoint is None:
         raise RuntimeError(f"training in {final} ended without a checkpoint")
     best = next((e for e in result.evals if e["checkpoint"] == result.best_checkpoint.name), None)
