@@ -143,6 +143,10 @@ def online_problem(config: PipelineConfig) -> str | None:
     problems = [text for bad, text in unsupported if bad]
     if problems:
         return f"train.data={data!r} does not run with " + "; ".join(problems) + ", or set train.data='store'"
+    if config.online.producer == "remote" and config.online.buffer_dir is None and is_url(config.artifact_root):
+        return (f"online.producer='remote' needs a buffer folder the capture worker sees too, but online.buffer_dir is "
+                f"unset and artifact_root={config.artifact_root!r} is a URL (its local mirror is this machine's); set "
+                "online.buffer_dir to a folder both machines mount, or online.producer='local'")
     return None
 
 

@@ -22,8 +22,9 @@ of the loader, so each read frees room.
 What a trainer process needs from the engine is a single callable, `Capture` (prompts -> per prompt
 [T, n_aux+1, H]); the stage builds it around the warm engine (eagle3.draft_stages), `SourceCapture`
 wraps an in-process source (the HF backend: benchmarks/online_vs_store.py, tests), tests may give
-any function. Not built yet: a producer on another machine (the buffer would be a shared folder and
-the shard index the handshake), and data-parallel trainers (refused: train.num_processes must be 1).
+any function. online.producer 'remote': a capture worker in another process or on another machine writes the
+shards instead, and the trainer only reads them (eagle3.draft.online_remote). Data-parallel trainers: refused
+(train.num_processes must be 1).
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ class OnlineConfig(BaseModel):
         default="auto", description="CPU build: cores of their own for the target engine process (the first N this "
         "process may use; every engine thread is pinned there), the trainer gets the rest and as many torch threads. "
         "'auto': half of them (at least 1) when there are at least 2; 0: no pinning, both share every core. Ignored "
-        "with CUDA (GPU placement is not built yet). Not part of any fingerprint."
+        "with CUDA (there: target.devices and train.devices). Not part of any fingerprint."
     )
     producer: Literal["local", "remote"] = Field(
         default="local", description="Who captures: 'local', a thread of the trainer's process through the run's warm "

@@ -123,3 +123,13 @@ def test_no_worker_is_one_clear_error_naming_the_setting(tmp_path):
     with pytest.raises(OnlineDataError, match=r"within online.remote_wait_s=1 s .*eagle3 online-capture --buffer"):
         _train(tmp_path / "out", _data(tmp_path / "buffer", "remote", wait_s=1.0))
     assert not (tmp_path / "buffer").exists()
+
+
+def test_a_remote_producer_without_a_folder_the_worker_can_see_is_refused_when_the_config_is_read():
+    from eagle3.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=r"online.producer='remote' needs a buffer folder .* set online.buffer_dir"):
+        build_config("tiny", overrides=["train.data=online", "online.producer=remote", "artifact_root=s3://bucket/x"])
+    config = build_config("tiny", overrides=["train.data=online", "online.producer=remote", "artifact_root=s3://bucket/x",
+                                             "online.buffer_dir=/shared/buffer"])
+    assert config.online.producer == "remote"
