@@ -103,10 +103,12 @@ class RemoteFeed:
                         f"worker on it (`eagle3 online-capture --buffer {self.folder} --model <target folder>`), or "
                         "raise online.remote_wait_s, or set online.producer='local'")
                 time.sleep(POLL_S)
-            self.peak_bytes = max(self.peak_bytes, buffer_bytes_on_disk(self.folder))
+            on_disk = buffer_bytes_on_disk(self.folder)
             ids = json.loads(shard_header(str(path))[1]["__metadata__"]["sample_ids"])
             found = {int(i): (str(path), j) for j, i in enumerate(ids)}
-            self.tokens_captured += sum(min(len(self.data.samples[i].input_ids), self.batch_tokens) for i in need)
+            with self.lock:  # the loader threads read side by side
+                self.peak_bytes = max(self.peak_bytes, on_disk)
+                self.tokens_captured += sum(min(len(self.data.samples[i].input_ids), self.batch_tokens) for i in need)
         missing = [i for i in indices if i not in found and i not in self.kept_locations]
         if missing:
             raise OnlineDataError(f"micro-batch {k}: samples {missing[:10]} are not in {self.folder / shard_name(self.stream, k)} "

@@ -119,6 +119,57 @@ def test_a_worker_killed_mid_epoch_and_started_again_completes_the_run_with_the_
     assert not buffer.exists()
 
 
+TRAINER = """
+import sys, torch
+from pathlib import Path
+from eagle3.capture.store import StoreReader
+from eagle3.draft.online_data import OnlineData, OnlineSample
+from eagle3.draft.train import TrainConfig, train_draft
+store, target, head, vocab, out, buffer, one_shard = sys.argv[1:8]
+torch.set_num_threads(1)
+samples = [OnlineSample(s.input_ids.tolist(), s.loss_mask.int().tolist()) for s in StoreReader(Path(store))]
+data = OnlineData(samples=samples, kept=0, kept_store=None, capture=None, buffer_dir=Path(buffer),
+                  buffer_bytes=2 * int(one_shard), aux_layer_ids=%r, hidden_size=%d, storage_dtype=torch.float32,
+                  producer="remote", remote_wait_s=120)
+config = TrainConfig(steps=%d, checkpoint_every=4, data="online", **%r)
+result = train_draft(config, store_dir=Path(store), target_dir=Path(target), head_path=Path(head),
+                     vocab_path=Path(vocab), out_dir=Path(out), online=data)
+print("resumed from step", result.resumed_from_step)
+""" % (AUX_LAYER_IDS, HIDDEN, STEPS, TRAIN_KW)
+
+
+def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_with_the_same_worker_and_losses(local_losses, tmp_path):
+    """The trainer is a process too: SIGKILL after step 6 (the last checkpoint at step 4), the same command again; the
+    worker that kept running serves the new stream from the trainer's recorded cursor."""
+    import json
+
+    world, buffer, out = tiny_world(), tmp_path / "buffer", tmp_path / "out"
+    command = [sys.executable, "-c", TRAINER, str(world.train_store), str(world.target_dir), str(world.head_path),
+               str(world.vocab_path), str(out), str(buffer), str(ONE_SHARD)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    worker = _worker(buffer)
+    try:
+        trainer = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        losses = out / "losses.jsonl"
+        deadline = time.monotonic() + 300
+        while not (losses.is_file() and len(losses.read_text().splitlines()) >= 6):
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0][-3000:]
+            time.sleep(0.05)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        assert (buffer / "cursor.json").is_file() and worker.poll() is None  # the worker waits for the next stream
+        again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert "resumed from step 4" in again.stdout  # its checkpoint, not a fresh start
+    finally:
+        printed, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, printed[-3000:]
+    resumed = [json.loads(line)["loss"] for line in losses.read_text().splitlines()]
+    assert len(resumed) == STEPS
+    assert max(abs(a - b) for a, b in zip(resumed, local_losses, strict=True)) <= 1e-5
+    assert not buffer.exists()
+
+
 def test_no_worker_is_one_clear_error_naming_the_setting(tmp_path):
     with pytest.raises(OnlineDataError, match=r"within online.remote_wait_s=1 s .*eagle3 online-capture --buffer"):
         _train(tmp_path / "out", _data(tmp_path / "buffer", "remote", wait_s=1.0))
