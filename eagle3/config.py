@@ -27,6 +27,7 @@ from eagle3.draft.online_data import OnlineConfig, OnlineDataError, check_buffer
 from eagle3.draft.train_config import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
 from eagle3.engine.placement import PlacementError, split_cpus
+from eagle3.gpu.devices import placement_problems, visible_gpus
 from eagle3.gpu.cleanup import GpuCleanupConfig
 from eagle3.storage import is_url
 
@@ -82,6 +83,8 @@ class PipelineConfig(BaseModel):
             )
         if problem := online_problem(self):
             raise ValueError(problem)
+        if problems := placement_problems(**_placement(self), visible=None):  # the settings alone; the GPUs: below
+            raise ValueError("; ".join(problems))
         if self.regenerate.enabled and self.regenerate.max_new_tokens >= self.target.max_model_len:
             raise ValueError(
                 f"regenerate.max_new_tokens={self.regenerate.max_new_tokens} leaves no room for a prompt in "
@@ -140,7 +143,21 @@ def online_problem(config: PipelineConfig) -> str | None:
     problems = [text for bad, text in unsupported if bad]
     if problems:
         return f"train.data={data!r} does not run with " + "; ".join(problems) + ", or set train.data='store'"
+    if config.online.producer == "remote" and config.online.buffer_dir is None and is_url(config.artifact_root):
+        return (f"online.producer='remote' needs a buffer folder the capture worker sees too, but online.buffer_dir is "
+                f"unset and artifact_root={config.artifact_root!r} is a URL (its local mirror is this machine's); set "
+                "online.buffer_dir to a folder both machines mount, or online.producer='local'")
     return None
+
+
+def _placement(config: PipelineConfig) -> dict[str, object]:
+    """placement_problems' settings: target.devices and train.devices, and the ranks each must hold."""
+    train = config.train
+    processes = (len(train.devices) if train.devices != "auto" else 1) if train.num_processes == "auto" \
+        else int(train.num_processes)
+    return {"target_devices": config.target.devices, "train_devices": train.devices,
+            "engine_gpus": config.target.tensor_parallel_size * config.target.data_parallel_size,
+            "train_processes": processes, "online": train.data != "store"}
 
 
 def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
@@ -167,6 +184,7 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
         problems.append(problem)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems += parallel_problems(config.target, Path(info.model_dir), gpus)
+    problems += placement_problems(**_placement(config), visible=visible_gpus())  # no CUDA here, or GPUs not visible
     if config.target.data_parallel_size > 1 and config.extract.backend != "vllm":
         problems.append(f"target.data_parallel_size={config.target.data_parallel_size} runs vLLM engines, but "
                         f"extract.backend={config.extract.backend!r} runs one transformers model; set "

@@ -33,6 +33,7 @@ from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from eagle3.engine.client import EngineGone
 from eagle3.engine.placement import pin_process, split_cpus, trainer_on
+from eagle3.gpu.devices import trainer_on_gpu
 from eagle3.stages import _done, online_target_config, stage_fingerprint, states_fingerprint, target_engine
 
 VOCAB_FILE = "vocab.safetensors"
@@ -120,14 +121,15 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         if online is None:
             raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
                              "passes them (run_train(online=OnlineSetup(...)))")
-        with online_data(config, online, target, extracted, root, fp, say) as data:
+        with online_data(config, online, target, extracted, root, fp, say) as data, trainer_on_gpu(config.devices):
             both = None if progress is None else (  # steps trained and tokens the engine captured so far
-                lambda step, total, loss: progress(step, total, loss, data.capture.tokens))
+                lambda step, total, loss: progress(step, total, loss, getattr(data.capture, "tokens", 0)))
             result = train_draft(config, out_dir=final, progress=both, online=data, **paths)
     elif processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
     else:
-        result = train_draft(config, out_dir=final, progress=progress, **paths)
+        with trainer_on_gpu(config.devices):  # train.devices: its first GPU
+            result = train_draft(config, out_dir=final, progress=progress, **paths)
     if result.checkpoint is None or result.best_checkpoint is None:
         raise RuntimeError(f"training in {final} ended without a checkpoint")
     best = next((e for e in result.evals if e["checkpoint"] == result.best_checkpoint.name), None)
@@ -178,17 +180,23 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
     rate = extracted.stats.get("capture_tokens_per_s")
     budget = extracted.stats.get("store_budget_gib")
     say(f"train: {plan_text([len(s.input_ids) for s in samples], kept, config.batch_tokens, budget, rate)}")
-    cpus = None if torch.cuda.is_available() else split_cpus(setup.online.engine_cpus)  # (engine's, trainer's)
+    folder = Path(setup.online.buffer_dir) if setup.online.buffer_dir else root / "online_buffer" / fp
+    remote = setup.online.producer == "remote"  # a capture worker elsewhere writes the shards (online_remote)
+    cpus = None if torch.cuda.is_available() or remote else split_cpus(setup.online.engine_cpus)  # (engine's, trainer's)
     if cpus is not None:
         say(f"train: the engine on CPUs {sorted(cpus[0])}, the trainer on {sorted(cpus[1])} (online.engine_cpus="
             f"{setup.online.engine_cpus})")
-    capture = _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size,
-                             None if cpus is None else cpus[0])
-    folder = Path(setup.online.buffer_dir) if setup.online.buffer_dir else root / "online_buffer" / fp
+    if remote:
+        say(f"train: online.producer='remote': waiting for a capture worker on {folder}; on the machine with the target: "
+            f"eagle3 online-capture --buffer {folder} --model {info.model_dir} --dtype {setup.target_config.dtype} "
+            f"--max-model-len {setup.target_config.max_model_len}")
+    capture = None if remote else _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size,
+                                                 None if cpus is None else cpus[0])
     with trainer_on(None if cpus is None else cpus[1]):
         yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None,
                          capture=capture, buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
-                         aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage)
+                         aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage,
+                         producer=setup.online.producer, remote_wait_s=setup.online.remote_wait_s)
 
 
 class _EngineCapture:

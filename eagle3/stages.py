@@ -27,6 +27,7 @@ from eagle3.artifacts import (
 )
 from eagle3.capture import vllm_adapter
 from eagle3.capture.data_parallel import Split, extract_with_engines
+from eagle3.gpu.devices import cuda_visible
 from eagle3.capture.extract import FAN_OUT_SETTINGS, ExtractConfig, check_inputs, extract_store, storage_dtype
 from eagle3.capture.regenerate import JOURNAL, RUNTIME_REGENERATE_SETTINGS, RegenerateConfig, regenerate
 from eagle3.data import conversations
@@ -92,7 +93,7 @@ def _once(load: Callable[[], object]) -> Callable[[], object]:
 # -- stage_target ------------------------------------------------------------------------
 # How the target is run, not what it computes: changing them reuses every artifact.
 RUNTIME_TARGET_SETTINGS = {"max_model_len", "kv_cache_gib", "tensor_parallel_size", "data_parallel_size", "keep_warm_s",
-                           "sleep_during_train"}
+                           "sleep_during_train", "devices"}
 
 
 def fingerprint_target(config: TargetConfig) -> str:
@@ -129,7 +130,7 @@ def spec_from_info(config: TargetConfig, info: TargetInfo, load_log: Path | None
         model_dir=info.model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
         kv_cache_gib=config.kv_cache_gib, tensor_parallel_size=config.tensor_parallel_size,
         trust_remote_code=config.trust_remote_code, seed=0, load_log=None if load_log is None else str(load_log),
-        enable_sleep_mode=config.sleep_during_train,
+        enable_sleep_mode=config.sleep_during_train, devices=cuda_visible(config.devices),
     )
 
 

@@ -10,6 +10,7 @@
     eagle3 deploy [--timezone TZ] [--cron CRON] [--incoming DIR] [--registry DIR]
     eagle3 serve [--port 4200] [--api-url URL] [deploy options]
     eagle3 train-node --spec SPEC.json --node-rank R   join, from another machine, a train stage with train.nnodes > 1
+    eagle3 online-capture --buffer DIR --model DIR [--backend vllm|hf]   capture for a trainer with online.producer=remote
     eagle3 engine start|list|stop            keep the target loaded in a warm engine (flows/engine_cli.py)
     eagle3 doctor                            the versions found (python, torch, vLLM, ...), whether each is supported,
                                              what will not work with them; exit 1 when something needed is missing
@@ -110,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
                           "stage on node 0 prints this command while it waits)", epilog=_docs("several-machines.md"))
     node.add_argument("--spec", type=Path, required=True, help="the launch spec node 0 wrote, on the shared folder")
     node.add_argument("--node-rank", type=int, required=True, help="this machine's node: 1 .. train.nnodes-1")
+    capture = sub.add_parser("online-capture", add_help=False, epilog=_docs("online-training.md"),
+                             help="capture for a train stage with online.producer=remote, on the machine that holds the "
+                             "target: --buffer DIR --model DIR [--backend vllm|hf] [--dtype D] (--help: all options)")
+    del capture  # its options are capture_worker's own: main() hands the arguments over before parsing
     engine_cli.add_parser(sub, _docs)
     sub.add_parser("doctor", help="print the versions found (python, torch, vllm, transformers, prefect, speculators, CPU "
                    "flags), whether each is supported, and what will not work with them", epilog=_docs("vllm-versions.md"))
@@ -367,6 +372,11 @@ def _gpu_cleanup(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["online-capture"]:  # the capture worker's own arguments (eagle3.draft.capture_worker)
+        from eagle3.draft.capture_worker import main as capture_main
+
+        return capture_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)
@@ -389,6 +399,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _deploy(args)
     if args.command == "train-node":
         return _train_node(args)
+
     if args.command == "engine":
         return engine_cli.run(args, _fail)
     if args.command == "doctor":

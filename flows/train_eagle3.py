@@ -102,6 +102,8 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
             engine_pool.release_all(keep_warm=False, sleep=config.target.sleep_during_train)
             engine_pool.make_room(default_cache_dir(), "", load_log)  # and other runs' idle engines on the GPUs: training needs them
             cleanups.append(run.uncached("gpu_cleanup", gpu_cleanup, config=config.gpu, run_dir=run_dir))
+        elif config.online.producer == "remote":  # a capture worker with its own engine captures for the trainer
+            engine_pool.release_all(keep_warm=False)
     return target, prepared, extracted
 
 

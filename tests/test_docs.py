@@ -55,6 +55,8 @@ def _recompute_column(setting: str) -> str:
     ("train.steps", "`train` on"),
     ("train.compile", "nothing"),  # RUNTIME_ONLY: how fast, not what
     ("train.num_processes", "nothing"),
+    ("train.devices", "nothing"),  # placement: where, not what
+    ("target.devices", "nothing"),
     ("target.kv_cache_gib", "nothing"),
     ("target.dtype", "`stage_target` on"),
     ("data.max_tokens", "`prepare_data` on"),

@@ -40,6 +40,7 @@ from eagle3.capture.extract import ExtractConfig, extract_store, shard_groups
 from eagle3.capture.store import StoreWriter, shards_listed
 from eagle3.data.conversations import read_samples
 from eagle3.gpu.cleanup import register_own_process
+from eagle3.gpu.devices import visible_gpus
 
 _PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.5
@@ -99,18 +100,6 @@ def engine_environments(engines: int, tensor_parallel_size: int, *, gpus: Sequen
             for r in range(engines)]
 
 
-def visible_gpus() -> list[str]:
-    """The GPU ids this process may use, as CUDA_VISIBLE_DEVICES names them (empty on a machine without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    named = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if named:
-        return [g.strip() for g in named.split(",") if g.strip()][: torch.cuda.device_count()]
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def share_shards(missing: dict[str, list[int]], engines: int) -> list[dict[str, tuple[int, ...]]]:
     """Every missing (split, shard) to exactly one engine, round robin over the splits in order:
     engine r gets the r-th, (r+N)-th, ... so each holds about the same number of shards."""
@@ -152,7 +141,8 @@ def extract_with_engines(
     if todo == 0:
         return {name: 0 for name in splits}
     engines = min(engines, todo)  # an engine with nothing to do would only load the target
-    envs = engine_environments(engines, spec.tensor_parallel_size, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
+    gpus = spec.devices.split(",") if spec.devices else visible_gpus()  # target.devices, split among the engines
+    envs = engine_environments(engines, spec.tensor_parallel_size, gpus=gpus, cpus=sorted(os.sched_getaffinity(0)))
     jobs = [EngineJob(rank=r, size=engines, parent_pid=os.getpid(), env=envs[r], spec=spec, shards=shares, splits=splits, config=config,
                       aux_layer_ids=tuple(aux_layer_ids), num_layers=num_layers, hidden_size=hidden_size, dtype=dtype,
                       max_model_len=max_model_len)

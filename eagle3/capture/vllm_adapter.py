@@ -71,6 +71,8 @@ class EngineSpec:
     attention_backend: str | None = None
     # vLLM sleep mode (LLM.sleep/wake_up, CUDA only): a warm engine that sleeps while the trainer uses the GPUs
     enable_sleep_mode: bool = False
+    # target.devices: CUDA_VISIBLE_DEVICES of the engine process ("4,5"); None: this process's GPUs
+    devices: str | None = None
 
 
 def _import_vllm():  # noqa: ANN202 - the module object

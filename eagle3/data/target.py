@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.data import builtin_targets
 from eagle3.fingerprint import hash_text
+from eagle3.gpu.devices import Devices, check_devices
 
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_SMOLLM2 = "builtin:smollm2"
@@ -61,6 +62,7 @@ class TargetConfig(BaseModel):
             raise ValueError("target.sleep_during_train=true puts the warm engine to sleep for the next run, but "
                              "target.keep_warm_s=0 keeps no engine warm; set target.keep_warm_s above 0, or "
                              "target.sleep_during_train=false")
+        check_devices(self.devices, "target.devices")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"target.pipeline_parallel_size={self.pipeline_parallel_size} is not supported: hidden-state "
                              "capture needs all decoder layers in one process per TP rank; set target.pipeline_parallel_size=1 "
@@ -101,6 +103,13 @@ class TargetConfig(BaseModel):
         "eagle3.engine) waits, idle, for the next run after a run whose regenerate or extract FAILED, so that the same "
         "command again or Prefect's retry attaches instead of loading; a run that finishes stops it before training. "
         "None: 1800 on a GPU, 0 on the CPU build (0: the target loads in the run's own process, as before)"
+    )
+    devices: Devices = Field(
+        default="auto", description="GPUs of the target engine, as CUDA_VISIBLE_DEVICES of this process names them "
+        "(e.g. [0, 1]): the engine process is started with CUDA_VISIBLE_DEVICES set to them (regenerate, extract, and "
+        "the online capture; data-parallel extraction engines split them). Exactly tensor_parallel_size x "
+        "data_parallel_size of them; disjoint from train.devices with train.data online/hybrid; refused on the CPU "
+        "build (cores: online.engine_cpus). 'auto': every GPU this process sees. Not part of any fingerprint"
     )
     sleep_during_train: bool = Field(
         default=False, description="GPU only, not yet verified on a GPU: instead of stopping the warm engine before "

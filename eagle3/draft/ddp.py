@@ -118,8 +118,11 @@ def spread(value: int, ctx: DistContext) -> tuple[int, int]:
 
 
 def device_for(ctx: DistContext) -> torch.device:
-    """This process's device: its local GPU under CUDA, else the CPU."""
-    return torch.device("cuda", ctx.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    """This process's device: its local GPU under CUDA (one process: the current one, which train.devices sets,
+    eagle3.gpu.devices.trainer_on_gpu), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", ctx.local_rank if ctx.distributed else torch.cuda.current_device())
 
 
 def check_grad_accum(grad_accum: int, ctx: DistContext) -> None:

@@ -1,7 +1,7 @@
 """Training on several processes from the train stage: torchrun over eagle3.draft.ddp.
 
 `train.num_processes` decides how many processes train on each machine ("auto": every visible
-GPU, 1 on the CPU), `train.nnodes` on how many machines. One process on one machine calls
+GPU, or one per GPU of train.devices, which the ranks are then restricted to; 1 on the CPU), `train.nnodes` on how many machines. One process on one machine calls
 train_draft directly. More launch torchrun (`torch.distributed.run`, the launcher PyTorch ships;
 nothing hand-made spawns ranks) with this module as the program: each rank reads the same launch
 spec, calls train_draft, and eagle3.draft.ddp deals the micro-batches; training rank 0 (on the
@@ -55,6 +55,7 @@ from eagle3.artifacts import atomic_write_text
 from eagle3.draft import ddp
 from eagle3.draft.train import LOSSES, TrainConfig, TrainError, TrainResult, train_draft
 from eagle3.draft.train_config import effective_grad_accum
+from eagle3.gpu.devices import cuda_visible
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def resolve_num_processes(config: TrainConfig) -> int:
     Raises TrainError naming the setting when it cannot be honoured here (or DistError when
     train.grad_accum does not split over train.nnodes x that many)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    n = max(gpus, 1) if config.num_processes == "auto" else int(config.num_processes)
+    every = max(gpus, 1) if config.devices == "auto" else len(config.devices)  # train.devices: one process each
+    n = every if config.num_processes == "auto" else int(config.num_processes)
     if gpus and n > gpus:
         raise TrainError(f"train.num_processes={n}, but {gpus} GPU(s) are visible (CUDA_VISIBLE_DEVICES); "
                          f"set train.num_processes to at most {gpus}, or 'auto'")
@@ -176,6 +178,8 @@ def node_command(spec_path: Path, node_rank: int) -> str:
 def _start(spec: LaunchSpec, spec_path: Path, node_rank: int) -> subprocess.Popen:
     env = dict(os.environ)
     env[ddp.NODE_RANK_ENV] = str(node_rank)
+    if (devices := cuda_visible(spec.config.devices)) is not None:  # train.devices: rank r on the r-th of them
+        env["CUDA_VISIBLE_DEVICES"] = devices
     if not torch.cuda.is_available():  # ranks share the CPU's cores instead of each taking all of them
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.processes))
     return subprocess.Popen(_torchrun_command(spec, spec_path, node_rank), env=env, preexec_fn=_die_with_parent)

@@ -22,8 +22,9 @@ of the loader, so each read frees room.
 What a trainer process needs from the engine is a single callable, `Capture` (prompts -> per prompt
 [T, n_aux+1, H]); the stage builds it around the warm engine (eagle3.draft_stages), `SourceCapture`
 wraps an in-process source (the HF backend: benchmarks/online_vs_store.py, tests), tests may give
-any function. Not built yet: a producer on another machine (the buffer would be a shared folder and
-the shard index the handshake), and data-parallel trainers (refused: train.num_processes must be 1).
+any function. online.producer 'remote': a capture worker in another process or on another machine writes the
+shards instead, and the trainer only reads them (eagle3.draft.online_remote). Data-parallel trainers: refused
+(train.num_processes must be 1).
 """
 
 from __future__ import annotations
@@ -98,12 +99,14 @@ class OnlineData:
     samples: list[OnlineSample]
     kept: int
     kept_store: Path | None
-    capture: Capture
+    capture: Capture | None  # None: online.producer 'remote'
     buffer_dir: Path
     buffer_bytes: int
     aux_layer_ids: list[int]
     hidden_size: int
     storage_dtype: torch.dtype
+    producer: Literal["local", "remote"] = "local"  # remote: a capture worker writes the shards (online_remote)
+    remote_wait_s: float = 600.0  # remote: the longest wait for one shard
 
 
 def row_bytes(n_states: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -162,11 +165,11 @@ class OnlineFeed:
     def __init__(self, data: OnlineData, lengths: Sequence[int], seed: int, batch_tokens: int, epoch: int,
                  cursor: int) -> None:
         self.data, self.lengths, self.seed, self.batch_tokens = data, list(lengths), seed, batch_tokens
-        self.kept_locations = _kept_locations(data)
+        self.kept_locations = kept_locations(data)
         self.n_states = len(data.aux_layer_ids) + 1
         self.folder = Path(data.buffer_dir)
         self.folder.mkdir(parents=True, exist_ok=True)
-        _remove_shards(self.folder)  # a killed run's: the stream starts again at the checkpoint's cursor
+        remove_shards(self.folder)  # a killed run's: the stream starts again at the checkpoint's cursor
         self.cond = threading.Condition()
         self.ready: dict[int, dict[int, tuple[str, int]]] = {}
         self.sizes: dict[int, int] = {}  # shard k on disk (or being written) -> bytes
@@ -202,7 +205,7 @@ class OnlineFeed:
             self.closed = True
             self.cond.notify_all()
         self.thread.join(timeout=600)
-        _remove_shards(self.folder)
+        remove_shards(self.folder)
         with contextlib.suppress(OSError):  # the folder when empty, and the default's online_buffer/ when no other
             self.folder.rmdir()           # run's buffer is in it (a folder of the user's keeps its other files)
             if self.folder.parent.name == "online_buffer":
@@ -251,42 +254,51 @@ class OnlineFeed:
         started = time.monotonic()
         states = self.data.capture(prompts)  # per prompt [T_i, n_aux+1, H]
         self.capture_seconds += time.monotonic() - started
-        tensors: dict[str, torch.Tensor] = {}
-        for j, (i, prompt, s) in enumerate(zip(need, prompts, states, strict=True)):
-            if tuple(s.shape) != (len(prompt), self.n_states, self.data.hidden_size):
-                raise OnlineDataError(f"sample {i}: captured states {tuple(s.shape)}, expected "
-                                      f"{(len(prompt), self.n_states, self.data.hidden_size)}")
-            values, scales = encode_states(s, self.data.storage_dtype)  # [T, n, H] (+ [T, n] fp8 scales)
-            tensors[f"{j}.input_ids"] = torch.tensor(prompt, dtype=torch.int64)
-            tensors[f"{j}.loss_mask"] = torch.tensor(self.data.samples[i].loss_mask[: len(prompt)], dtype=torch.bool)
-            tensors[f"{j}.hidden_states"] = values.contiguous()
-            if scales is not None:
-                tensors[f"{j}.hidden_scales"] = scales.contiguous()
         final = self.folder / _shard(k)
-        tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
-        try:
-            size, _ = write_safetensors(tmp, tensors, {"sample_ids": json.dumps([str(i) for i in need])})
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        size = write_shard(final, need, prompts, [self.data.samples[i].loss_mask for i in need], states, self.n_states,
+                           self.data.hidden_size, self.data.storage_dtype)
         with self.cond:
             self.sizes[k] = size  # the true size (the reservation was an upper bound)
         self.tokens_captured += sum(len(p) for p in prompts)
         return {i: (str(final), j) for j, i in enumerate(need)}
 
 
+def write_shard(final: Path, need: Sequence[int], prompts: Sequence[Sequence[int]], masks: Sequence[Sequence[int]],
+                states: Sequence[torch.Tensor], n_states: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """One micro-batch's captured samples as one shard in the store's format, written under a temporary name and
+    renamed (a reader never sees half a shard); its size in bytes. `states`: per prompt [T_i, n_states, H]."""
+    tensors: dict[str, torch.Tensor] = {}
+    for j, (i, prompt, s) in enumerate(zip(need, prompts, states, strict=True)):
+        if tuple(s.shape) != (len(prompt), n_states, hidden_size):
+            raise OnlineDataError(f"sample {i}: captured states {tuple(s.shape)}, expected "
+                                  f"{(len(prompt), n_states, hidden_size)}")
+        values, scales = encode_states(s, dtype)  # [T, n, H] (+ [T, n] fp8 scales)
+        tensors[f"{j}.input_ids"] = torch.tensor(list(prompt), dtype=torch.int64)
+        tensors[f"{j}.loss_mask"] = torch.tensor(list(masks[j])[: len(prompt)], dtype=torch.bool)
+        tensors[f"{j}.hidden_states"] = values.contiguous()
+        if scales is not None:
+            tensors[f"{j}.hidden_scales"] = scales.contiguous()
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        size, _ = write_safetensors(tmp, tensors, {"sample_ids": json.dumps([str(i) for i in need])})
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
 def _shard(k: int) -> str:
     return f"batch-{k:08d}.safetensors"
 
 
-def _remove_shards(folder: Path) -> None:
+def remove_shards(folder: Path) -> None:
     """The buffer's own files (shards and their temporaries), nothing else of the folder."""
     for path in [*folder.glob("batch-*.safetensors"), *folder.glob(".batch-*.safetensors.tmp-*")]:
         path.unlink(missing_ok=True)
 
 
-def _kept_locations(data: OnlineData) -> dict[int, tuple[str, int]]:
+def kept_locations(data: OnlineData) -> dict[int, tuple[str, int]]:
     """(shard path, position) of the samples the hybrid store keeps: samples[:kept], in store order."""
     if data.kept == 0:
         return {}
@@ -313,7 +325,17 @@ class OnlineConfig(BaseModel):
         default="auto", description="CPU build: cores of their own for the target engine process (the first N this "
         "process may use; every engine thread is pinned there), the trainer gets the rest and as many torch threads. "
         "'auto': half of them (at least 1) when there are at least 2; 0: no pinning, both share every core. Ignored "
-        "with CUDA (GPU placement is not built yet). Not part of any fingerprint."
+        "with CUDA (there: target.devices and train.devices). Not part of any fingerprint."
+    )
+    producer: Literal["local", "remote"] = Field(
+        default="local", description="Who captures: 'local', a thread of the trainer's process through the run's warm "
+        "engine; 'remote', a capture worker in another process or on another machine (`eagle3 online-capture "
+        "--buffer DIR --model DIR`) that writes the shards into online.buffer_dir, a folder both see; the trainer "
+        "only reads them (docs/online-training.md, Across machines). Not part of any fingerprint."
+    )
+    remote_wait_s: float = Field(
+        default=600.0, gt=0, description="online.producer 'remote': seconds the trainer waits for one micro-batch's "
+        "shard before it stops with an error naming the buffer folder. Not part of any fingerprint."
     )
     buffer_dir: str | None = Field(
         default=None, description="Folder of the buffer (its shards removed at start and at the end, then the folder "

@@ -46,6 +46,7 @@ from eagle3.draft.loss import EAGER, LossKernels, batch_loss, compiled_kernels
 from eagle3.draft.architecture import DraftArchitectureError, build_draft, draft_config_for, read_text_config, resolve
 from eagle3.draft.model import Eagle3Draft, init_draft
 from eagle3.draft.online_data import OnlineData, OnlineFeed
+from eagle3.draft.online_remote import RemoteFeed
 from eagle3.draft.optim import MuonWithAdamW, build_optimizer
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 # the settings live in eagle3.draft.train_config; imported from here too
@@ -91,8 +92,8 @@ class _Run:
     master: list[torch.Tensor] | None = None  # fp32 copies of model.parameters() when the model holds bf16
     kernels: LossKernels = EAGER  # compiled_kernels() with train.compile
     online: OnlineData | None = None  # train.data online/hybrid: the samples captured as the trainer goes
-    open_feed: Callable[[], OnlineFeed] | None = None  # the BatchStream's feed, from (epoch, cursor) at its start
-    feeds: list[OnlineFeed] = field(default_factory=list)  # every feed opened (their figures go into the result)
+    open_feed: Callable[[], OnlineFeed | RemoteFeed] | None = None  # the BatchStream's feed, from (epoch, cursor) at its start
+    feeds: list[OnlineFeed | RemoteFeed] = field(default_factory=list)  # every feed opened (their figures go into the result)
     greedy_cache: dict[str, torch.Tensor] = field(default_factory=dict)  # held-out scoring: the target's greedy tokens
     step: int = 0
     epoch: int = 0
@@ -176,8 +177,9 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     run = _Run(config, locations, lengths, model, optimizer, head, mapping, device, bf16, meta, ctx, master,
                compiled_kernels() if compile_on else EAGER, online)
     if online is not None:
-        def open_feed() -> OnlineFeed:
-            run.feeds.append(OnlineFeed(online, run.lengths, config.seed, config.batch_tokens, run.epoch, run.cursor))
+        def open_feed() -> OnlineFeed | RemoteFeed:  # online.producer: a thread here, or a capture worker's files
+            kind = RemoteFeed if online.producer == "remote" else OnlineFeed
+            run.feeds.append(kind(online, run.lengths, config.seed, config.batch_tokens, run.epoch, run.cursor))
             return run.feeds[-1]
 
         run.open_feed = open_feed

@@ -13,10 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.draft import ddp
 from eagle3.draft.architecture import DraftSettings
+from eagle3.gpu.devices import Devices, check_devices
 
 # Settings that may change between an interrupted run and its resume.
 _RESUMABLE_CHANGES = {"data", "steps", "checkpoint_every", "num_draft_tokens_eval", "deterministic", "loader_threads", "compile",
-                      "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout", "select"}
+                      "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout", "select",
+                      "devices"}
 # Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
 # so an upgrade does not retrain drafts whose settings did not change.
 ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto", "select": "best", "ttt_loss_decay": 1.0}
@@ -28,7 +30,8 @@ ADDED_WITH_DEFAULT["draft"] = DraftSettings(architecture="llama").model_dump()
 # Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
 # train.data is one of them: online and hybrid give the store run's losses (within 1e-5, tests/eagle3/test_online.py),
 # so the three name one train artifact.
-RUNTIME_ONLY = {"data", "compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout"}
+RUNTIME_ONLY = {"data", "compile", "param_dtype", "num_processes", "nnodes", "rdzv_endpoint", "rdzv_join_timeout",
+                "devices"}
 
 
 class TrainError(RuntimeError):
@@ -129,6 +132,13 @@ class TrainConfig(BaseModel):
         "takes every n-th micro-batch of a step, so the result does not depend on it). A run may resume with another "
         "number. Not part of the stage's fingerprint."
     )
+    devices: Devices = Field(
+        default="auto", description="GPUs of the trainer, as CUDA_VISIBLE_DEVICES of this process names them (e.g. "
+        "[2]): one training process trains on the first; train.num_processes processes are launched on as many (store "
+        "mode; online/hybrid train in one process, on one GPU, disjoint from target.devices). Refused on the CPU build "
+        "and when a GPU is not visible. 'auto': torch's default GPU (every visible GPU for train.num_processes='auto'). "
+        "Not part of the stage's fingerprint."
+    )
     nnodes: int = Field(
         default=1, ge=1, description="Machines that train together, each running train.num_processes ranks (torchrun "
         "with a c10d rendezvous). Node 0 is the machine that runs the train stage; each other machine joins with "
@@ -148,6 +158,7 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        check_devices(self.devices, "train.devices")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
         if isinstance(self.tokens_per_step, int) and self.tokens_per_step < 1:

@@ -251,7 +251,7 @@ def _start(home: EngineHome, spec: EngineSpec, keep_warm_s: float, owner: str, l
     started = time.time()
     with open(home.log, "a") as log:
         process = subprocess.Popen([sys.executable, "-m", "eagle3.engine.server", str(home.folder)], stdin=subprocess.DEVNULL,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=engine_environment(spec))
     deadline = time.monotonic() + load_timeout_s
     while True:
         if process.poll() is not None:
@@ -270,6 +270,15 @@ def _start(home: EngineHome, spec: EngineSpec, keep_warm_s: float, owner: str, l
     return engine, {"event": "loaded", "model": spec.model_dir, "engine": home.fingerprint, "pid": engine.pid, "warm": True,
                     "seconds": info.get("load_seconds"), "wall_seconds": round(time.time() - started, 2),
                     "preflight": info.get("preflight"), "time": time.time()}
+
+
+def engine_environment(spec: EngineSpec) -> dict[str, str]:
+    """The engine process's environment: this process's, with CUDA_VISIBLE_DEVICES set to target.devices when given
+    (eagle3.gpu.devices), so that its ranks take exactly those GPUs."""
+    env = dict(os.environ)
+    if spec.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = spec.devices
+    return env
 
 
 def stop_engine(home: EngineHome, info: dict, grace_s: float = 20.0) -> str:

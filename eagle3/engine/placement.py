@@ -8,7 +8,8 @@ the main one), and `trainer_on` does the same for this process while training, w
 set to its share, and puts both back afterwards.
 
 On the CPU build of vLLM the engine runs in one process (the uni executor) whose threads all live under its pid.
-GPU placement (target.devices / train.devices) is not built: with CUDA nothing is pinned.
+With CUDA nothing is pinned here: target.devices and train.devices place the engine and the trainer on GPUs
+(eagle3.gpu.devices).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
 - none, and keep_warm_s > 0: a fresh engine process is started and attached (a line "loaded",
   with its seconds and preflight); it is recorded as this run's own process for gpu_cleanup;
 - none, and keep_warm_s == 0 (the CPU build's default): the target loads in this process, as
-  before (eagle3.capture.vllm_adapter.acquire). An engine process is only worth its start-up
+  before (eagle3.capture.vllm_adapter.acquire); unless target.devices places it (spec.devices): only a process
+  of its own can be given its GPUs (CUDA_VISIBLE_DEVICES), so one is started, and stops when released. An engine process is only worth its start-up
   when it may outlive the run: with keep_warm_s 0 a failed run's engine would stop at once.
 
 Before either, `make_room` stops the engines that hold GPUs for nobody: kept warm after another
@@ -62,7 +63,7 @@ def acquire(spec: EngineSpec, target_fp: str, keep_warm_s: float, cache_dir: Pat
     if fp in _ATTACHED:
         return _ATTACHED[fp]
     make_room(cache_dir, fp, spec.load_log)
-    if keep_warm_s <= 0 and not is_live(read_info(EngineHome(engines_root(cache_dir) / fp))):
+    if keep_warm_s <= 0 and spec.devices is None and not is_live(read_info(EngineHome(engines_root(cache_dir) / fp))):
         return vllm_adapter.acquire(spec)
     release_all(keep_warm=True)  # one target at a time in this run
     engine, event = attach_or_start(spec, target_fp, cache_dir, keep_warm_s)

@@ -48,6 +48,8 @@ class EngineRegistryError(RuntimeError):
 def engine_fingerprint(spec: EngineSpec, target_fp: str) -> str:
     """Target fingerprint + every setting of `spec` that changes what the engine computes or holds."""
     settings = {k: v for k, v in dataclasses.asdict(spec).items() if k != "load_log"}
+    if settings["devices"] is None:  # target.devices 'auto': the fingerprint engines had before the setting
+        del settings["devices"]
     return fingerprint("engine", ENGINE_VERSION, settings, target_fp)
 
 

@@ -39,7 +39,8 @@ _KNOWN_ALTERNATIVES: dict[str, list[object]] = {"target.model": ["builtin:tiny",
                                                 "train.rdzv_endpoint": ["node1.cluster:29400"],
                                                 "regenerate.endpoint": ["http://127.0.0.1:8000"],
                                                 "regenerate.api_key_env": ["VLLM_API_KEY"],
-                                                "regenerate.chat_template_kwargs": [{"enable_thinking": True}]}
+                                                "regenerate.chat_template_kwargs": [{"enable_thinking": True}],
+                                                "target.devices": [[0]], "train.devices": [[0]]}
 # Settings with one valid value: nothing to compare.
 _FIXED = {"target.pipeline_parallel_size"}
 

@@ -173,3 +173,39 @@ def test_a_sweep_with_online_data_is_refused_before_any_work(base, grid):
 
     with pytest.raises(ConfigError, match=r"train.data='online': eagle3 sweep trains every point from one stored"):
         expand_points(build_config("tiny", overrides=base), parse_grid([grid]))
+
+
+def test_a_remote_capture_worker_started_with_the_command_the_stage_prints_gives_the_store_runs_losses(world, store_run,
+                                                                                                       tmp_path):
+    """online.producer 'remote' through the train stage: the worker is `eagle3 online-capture` as printed (its own
+    in-process vLLM engine, a process of its own); the trainer only reads the shards it writes."""
+    import shlex
+    import subprocess
+    import sys
+
+    _, _, store_losses = store_run
+    extracted = _extract(world, 0.0)
+    config = TrainConfig(data="online", **TRAIN)
+    fp = draft_stages.fingerprint_train(config, extracted, world["vocab"], world["target"])
+    online = OnlineConfig(buffer_gib=2 * _one_shard(world) / GIB, producer="remote", buffer_dir=str(tmp_path / "buffer"),
+                          remote_wait_s=300)
+    setup = draft_stages.OnlineSetup(online, stages.online_target_config(TARGET), world["loads"])
+    workers = []
+
+    def say(line: str) -> None:  # start the worker exactly as the stage tells the user to
+        if "eagle3 online-capture" in line:
+            args = shlex.split(line.split("on the machine with the target: ")[1])
+            assert args[:2] == ["eagle3", "online-capture"]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            workers.append(subprocess.Popen([sys.executable, "-m", "flows.cli", *args[1:]], env=env, text=True,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+
+    try:
+        record = draft_stages.run_train(config, world["target"], extracted, world["vocab"], tmp_path, fp, online=setup,
+                                        say=say)
+    finally:
+        out = workers[0].communicate(timeout=120)[0] if workers else ""
+    assert len(workers) == 1 and workers[0].returncode == 0, out[-3000:]
+    losses = [json.loads(line)["loss"] for line in (record.path / "losses.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx(store_losses, abs=1e-5)
+    assert not (tmp_path / "buffer").exists()
