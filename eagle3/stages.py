@@ -145,18 +145,17 @@ def target_engine(config: TargetConfig, target: StageRecord, load_log: Path, ima
 
 
 def check_image_engine(config: TargetConfig, stage: str, endpoint: str | None = None, backend: str = "vllm") -> None:
-    """Data with images runs through an engine in this process only (eagle3.capture.source): DataError naming the
-    setting otherwise, before any engine is reached."""
+    """Data with images runs through a vLLM engine of ours on one device, in this process or warm
+    (eagle3.capture.source, eagle3.engine): DataError naming the setting otherwise, before any engine is reached."""
     problems = [f"{name}={value!r}" for name, value, bad in (
         ("regenerate.endpoint", endpoint, endpoint is not None),
         ("extract.backend", backend, backend != "vllm"),
-        ("target.keep_warm_s", config.keep_warm_s, engine_pool.keep_warm_seconds(config.keep_warm_s) > 0),
         ("target.tensor_parallel_size", config.tensor_parallel_size, config.tensor_parallel_size > 1),
         ("target.data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1 and stage == "extract"),
     ) if bad]
     if problems:
-        raise DataError(f"{stage}: the data holds images, which only the in-process vLLM engine takes; {', '.join(problems)} "
-                        "(expected regenerate.endpoint unset, extract.backend='vllm', target.keep_warm_s=0, "
+        raise DataError(f"{stage}: the data holds images, which only our vLLM engine on one device takes (in this process "
+                        f"or warm); {', '.join(problems)} (expected regenerate.endpoint unset, extract.backend='vllm', "
                         "target.tensor_parallel_size=1, target.data_parallel_size=1)")
 
 

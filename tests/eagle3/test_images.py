@@ -157,10 +157,9 @@ def test_images_through_an_engine_elsewhere_are_refused_before_any_load(kimi, tm
     data = DataConfig(source=str(write_rows(tmp_path / "chats.jsonl", [image_row("pic", write_png(tmp_path / "a.png", 5))])),
                       heldout_fraction=0.0)
     loads = tmp_path / "loads.jsonl"
-    warm = config.model_copy(update={"keep_warm_s": 30.0})
-    regen = RegenerateConfig()
-    with pytest.raises(DataError, match=r"regenerate: the data holds images.*target.keep_warm_s=30.0"):
-        stages.run_regenerate(regen, data, warm, target, root, fp := stages.fingerprint_regenerate(regen, data, target, 512), loads)
+    regen = RegenerateConfig(endpoint="http://127.0.0.1:9")
+    with pytest.raises(DataError, match=r"regenerate: the data holds images.*regenerate.endpoint='http://127.0.0.1:9'"):
+        stages.run_regenerate(regen, data, config, target, root, fp := stages.fingerprint_regenerate(regen, data, target, 512), loads)
     assert not stages.out_dir(root, "regenerate", fp).exists()  # nothing written
     prepared = _prepare(kimi, data)
     from eagle3.capture.extract import ExtractConfig
