@@ -145,18 +145,17 @@ def target_engine(config: TargetConfig, target: StageRecord, load_log: Path, ima
 
 
 def check_image_engine(config: TargetConfig, stage: str, endpoint: str | None = None, backend: str = "vllm") -> None:
-    """Data with images runs through a vLLM engine of ours on one device, in this process or warm
+    """Data with images runs through a vLLM engine of ours, in this process or warm, with any TP size
     (eagle3.capture.source, eagle3.engine): DataError naming the setting otherwise, before any engine is reached."""
     problems = [f"{name}={value!r}" for name, value, bad in (
         ("regenerate.endpoint", endpoint, endpoint is not None),
         ("extract.backend", backend, backend != "vllm"),
-        ("target.tensor_parallel_size", config.tensor_parallel_size, config.tensor_parallel_size > 1),
         ("target.data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1 and stage == "extract"),
     ) if bad]
     if problems:
-        raise DataError(f"{stage}: the data holds images, which only our vLLM engine on one device takes (in this process "
-                        f"or warm); {', '.join(problems)} (expected regenerate.endpoint unset, extract.backend='vllm', "
-                        "target.tensor_parallel_size=1, target.data_parallel_size=1)")
+        raise DataError(f"{stage}: the data holds images, which only our own vLLM engine takes (in this process or "
+                        f"warm, one engine); {', '.join(problems)} (expected regenerate.endpoint unset, "
+                        "extract.backend='vllm', target.data_parallel_size=1)")
 
 
 def _load_hf(info: TargetInfo, config: TargetConfig, load_log: Path) -> object:

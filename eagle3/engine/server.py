@@ -255,8 +255,7 @@ class EngineServer:
 
         source = self._open_source(hidden_size)
         if not isinstance(source, ImageSource):
-            raise ValueError(f"this engine's capture ({type(source).__name__}) takes no images; images are captured "
-                             "with target.tensor_parallel_size=1")
+            raise ValueError(f"this engine's capture ({type(source).__name__}) takes no images")
         expanded, states = source.capture_images(prompts, images, layer_ids)  # ids as run; per prompt [T_i, n, H]
         return expanded, _write_states(states, path, len(layer_ids), hidden_size)
 

@@ -204,3 +204,31 @@ def test_a_warm_engine_captures_and_regenerates_images_as_the_in_process_engine(
         engine_pool.release_all(keep_warm=False)  # this run's engine: stopped
     local_regen = stages.run_regenerate(regen_config, data, config, target, root, regen_fp, work / "loads.jsonl")
     assert (regen.path / "conversations.jsonl").read_text() == (local_regen.path / "conversations.jsonl").read_text()
+
+
+def test_tensor_parallel_2_captures_and_regenerates_images_as_tp1(run):
+    """target.tensor_parallel_size 2 (vLLM's mp executor, two real worker processes on the CPU), in this process and
+    through a warm engine: the same ids and masks as TP 1, states within 1e-4, the same greedy answers."""
+    config, target, data, root, loads, (_, _, extracted), work = run
+    local = {s.sample_id: s for s in StoreReader(extracted.path / "train")}
+    regen_config = RegenerateConfig(max_new_tokens=4)
+    regen_fp = stages.fingerprint_regenerate(regen_config, data, target, config.max_model_len)
+    for keep in (0, 300.0):
+        tp2 = config.model_copy(update={"tensor_parallel_size": 2, "keep_warm_s": keep})
+        tp_root, tp_loads = work / f"tp2-{keep}", work / f"tp2-{keep}.jsonl"
+        try:
+            records = _chain(tp2, target, data, tp_root, tp_loads)
+            regen = stages.run_regenerate(regen_config, data, tp2, target, tp_root, regen_fp, tp_loads)
+        finally:
+            engine_pool.release_all(keep_warm=False)
+            vllm_adapter.release_all()
+        assert [json.loads(line)["preflight"]["tensor_parallel_size"] for line in tp_loads.read_text().splitlines()] == [2]
+        stored = list(StoreReader(records[2].path / "train"))
+        assert sorted(s.sample_id for s in stored) == sorted(local)
+        for sample in stored:
+            want = local[sample.sample_id]
+            assert sample.input_ids.tolist() == want.input_ids.tolist()
+            assert sample.loss_mask.tolist() == want.loss_mask.tolist()
+            torch.testing.assert_close(sample.hidden_states.float(), want.hidden_states.float(), atol=ATOL, rtol=0)
+        local_regen = stages.run_regenerate(regen_config, data, config, target, root, regen_fp, loads)
+        assert (regen.path / "conversations.jsonl").read_text() == (local_regen.path / "conversations.jsonl").read_text()
