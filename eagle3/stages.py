@@ -382,6 +382,8 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
         written = result.shards_written if engines_wrote is None else engines_wrote[split]
         stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,
                   f"{split}_shards_written": written, f"{split}_shards_reused": shards[split] - written}
+    if any(s.images for s in splits["heldout"]):  # the served evaluation sends these prompts with their images
+        stats["heldout_samples_file"] = str(prepared.path / "heldout.jsonl")
     if online is not None:
         stats |= online | {"states_fingerprint": fingerprint_extract(config.model_copy(update={"store_budget_gib": None}),
                                                                       target_config, prepared, target),
