@@ -337,6 +337,10 @@ def _served_images(extracted: StageRecord, reader: StoreReader, rows: list[tuple
         return prompts, [[] for _ in prompts]
     from eagle3.data.images import placeholder_id
 
+    if not Path(str(named)).is_file():
+        raise ValueError(f"eval.served: the extract record {extracted.uri} names its held-out samples with images "
+                         f"{named}, which is gone; expected the prepare_data artifact it was extracted from (run again: it is "
+                         "rebuilt at the same path), or set eval.served=false")
     prepared = {s.id: s for s in conversations.read_samples(Path(str(named)))}
     sample_ids = [sid for entry in reader.shards for sid in entry.sample_ids]
     return with_images(rows, sample_ids, prepared, placeholder_id(model_dir))
