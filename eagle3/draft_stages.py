@@ -24,7 +24,7 @@ from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, Progress, Source
 from eagle3.draft.export import export_draft
 from eagle3.draft.launch import resolve_num_processes, train_distributed
 from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
-from eagle3.draft.served_eval import ServedReport, heldout_prompt_rows, served_acceptance
+from eagle3.draft.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
 from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
@@ -296,6 +296,8 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
         rows = heldout_prompt_rows(pairs, config.served_max_prompts, limit)
         by_index = reader.sample_sources()
         prompts, sources = [p for _, p in rows], [by_index[i] for i, _ in rows]
+        longest = max((len(p) for p in prompts), default=0)  # as the engine runs them: images expanded
+        prompts, images = _served_images(extracted, reader, rows, info.model_dir)
     bar = _EvalProgress(progress, len(reader) + 2 * len(prompts))
     report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False,
                                  progress=bar.simulated)
@@ -305,6 +307,7 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
             Path(info.model_dir), exported.path, prompts, num_draft_tokens=config.num_draft_tokens,
             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
             kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap, sources=sources,
+            images=images, longest_prompt=longest,
         )
         bar.served(served.generated_tokens)
     with building(final) as tmp:
@@ -330,6 +333,25 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                                                          None if f.served is None else round(f.served, 4)}
                                               for f in SourceFigures.from_payload(payload)})
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
+
+
+def _served_images(extracted: StageRecord, reader: StoreReader, rows: list[tuple[int, list[int]]],
+                   model_dir: str) -> tuple[list[list[int]], list[list[str]]]:
+    """The served prompts and their image URLs (eagle3.draft.served_eval.with_images): from the prepared held-out
+    samples extract names when they hold images (its stat `heldout_samples_file`); else the store's prompts, text only."""
+    prompts = [p for _, p in rows]
+    named = extracted.stats.get("heldout_samples_file")
+    if not named:
+        return prompts, [[] for _ in prompts]
+    from eagle3.data.images import placeholder_id
+
+    if not Path(str(named)).is_file():
+        raise ValueError(f"eval.served: the extract record {extracted.uri} names its held-out samples with images "
+                         f"{named}, which is gone; expected the prepare_data artifact it was extracted from (run again: it is "
+                         "rebuilt at the same path), or set eval.served=false")
+    prepared = {s.id: s for s in conversations.read_samples(Path(str(named)))}
+    sample_ids = [sid for entry in reader.shards for sid in entry.sample_ids]
+    return with_images(rows, sample_ids, prepared, placeholder_id(model_dir))
 
 
 class _EvalProgress:

@@ -145,20 +145,21 @@ def target_engine(config: TargetConfig, target: StageRecord, load_log: Path, ima
     return lambda: engine_pool.acquire(spec, fp, keep, default_cache_dir(), run_dir=run_dir)
 
 
-def check_image_engine(config: TargetConfig, stage: str, endpoint: str | None = None, backend: str = "vllm") -> None:
-    """Data with images runs through an engine in this process only (eagle3.capture.source): DataError naming the
-    setting otherwise, before any engine is reached."""
+def check_image_engine(config: TargetConfig, stage: str, endpoint: str | None = None, backend: str = "vllm",
+                       store_budget_gib: float | None = None) -> None:
+    """Data with images runs through a vLLM engine of ours, in this process or warm, with any TP size
+    (eagle3.capture.source, eagle3.engine): DataError naming the setting otherwise, before any engine is reached."""
     problems = [f"{name}={value!r}" for name, value, bad in (
         ("regenerate.endpoint", endpoint, endpoint is not None),
         ("extract.backend", backend, backend != "vllm"),
-        ("target.keep_warm_s", config.keep_warm_s, engine_pool.keep_warm_seconds(config.keep_warm_s) > 0),
-        ("target.tensor_parallel_size", config.tensor_parallel_size, config.tensor_parallel_size > 1),
         ("target.data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1 and stage == "extract"),
+        # train.data online/hybrid captures the prepared train samples during training, as text (no images)
+        ("extract.store_budget_gib (train.data online/hybrid)", store_budget_gib, store_budget_gib is not None),
     ) if bad]
     if problems:
-        raise DataError(f"{stage}: the data holds images, which only the in-process vLLM engine takes; {', '.join(problems)} "
-                        "(expected regenerate.endpoint unset, extract.backend='vllm', target.keep_warm_s=0, "
-                        "target.tensor_parallel_size=1, target.data_parallel_size=1)")
+        raise DataError(f"{stage}: the data holds images, which only our own vLLM engine takes (in this process or "
+                        f"warm, one engine), into a complete store; {', '.join(problems)} (expected regenerate.endpoint unset, "
+                        "extract.backend='vllm', target.data_parallel_size=1, train.data='store')")
 
 
 def _load_hf(info: TargetInfo, config: TargetConfig, load_log: Path) -> object:
@@ -339,7 +340,7 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
     images = any(s.images for v in splits.values() for s in v)  # then the vision tower is loaded
     if images:
-        check_image_engine(target_config, "extract", backend=config.backend)
+        check_image_engine(target_config, "extract", backend=config.backend, store_budget_gib=config.store_budget_gib)
     spec = engine_spec(target_config, target, load_log, images)
     dtype = storage_dtype(config, target_config.dtype)
     if config.backend == "hf":  # small models, reference runs; loaded lazily like the engine
@@ -385,6 +386,8 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
         written = result.shards_written if engines_wrote is None else engines_wrote[split]
         stats |= {f"{split}_samples": result.samples, f"{split}_tokens": result.tokens,
                   f"{split}_shards_written": written, f"{split}_shards_reused": shards[split] - written}
+    if any(s.images for s in splits["heldout"]):  # the served evaluation sends these prompts with their images
+        stats["heldout_samples_file"] = str(prepared.path / "heldout.jsonl")
     if online is not None:
         stats |= online | {"states_fingerprint": fingerprint_extract(config.model_copy(update={"store_budget_gib": None}),
                                                                       target_config, prepared, target),

@@ -192,8 +192,8 @@ def capture_images(source: object, batch: Sequence[TokenizedSample], layer_ids: 
         with_images = [s.id for s in batch if s.images]
         raise ExtractInputError(
             f"samples {_some(with_images)} hold images, and extract.backend={backend!r} through "
-            f"{type(source).__name__} captures text only; images are captured by the in-process vLLM engine: "
-            "extract.backend='vllm', target.tensor_parallel_size=1, target.data_parallel_size=1, target.keep_warm_s=0")
+            f"{type(source).__name__} captures text only; images are captured by our vLLM engine: "
+            "extract.backend='vllm', target.data_parallel_size=1")
     expanded, states = source.capture_images([s.input_ids for s in batch], [s.images for s in batch], layer_ids)
     return [expand_sample(s, ids) if s.images else s for s, ids in zip(batch, expanded, strict=True)], states
 

@@ -24,8 +24,9 @@ engine when none is).
 
 Images (eagle3.data.images): a prompt whose messages hold image parts goes to the engine with its images
 (`multi_modal_data`, vLLM's multimodal processing for the target, the vision tower loaded: the stages load the
-engine with language_model_only=False when the data holds images). Only an engine in this process takes
-them; a warm engine or an endpoint is refused with the way out named.
+engine with language_model_only=False when the data holds images). An engine in this process or a warm engine
+process on this host (an ImageGenerator: it is sent the image URLs and loads them itself) takes them; an
+endpoint is refused with the way out named.
 
 Progress moves as answers finish: vLLM's `LLM.generate` reports each finished request to the
 tqdm class it is given (`use_tqdm`), and ours passes the count on (vllm_adapter._counting_bar).
@@ -122,6 +123,16 @@ class TokenGenerator(Protocol):
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, top_p: float,
                      seed: int, on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
+        ...
+
+
+@runtime_checkable
+class ImageGenerator(Protocol):
+    """A TokenGenerator that also takes prompts with images: per prompt its image URLs (a warm engine on this host)."""
+
+    def generate_with_images(self, prompts: Sequence[Sequence[int]], *, images: Sequence[Sequence[str]],
+                             max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                             on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
         ...
 
 
@@ -326,12 +337,17 @@ def _generate_all(engine: Callable[[], object], asks: list[_Ask], config: Regene
     before, planned, tokens_before = counts
     step = requests_per_call or len(asks)
     llm = engine()
-    generate = llm.generate_ids if isinstance(llm, TokenGenerator) else partial(vllm_adapter.generate, llm)
     images = [image_urls(a.head) for a in asks]
-    if any(images) and isinstance(llm, TokenGenerator):
+    if any(images) and isinstance(llm, TokenGenerator) and not isinstance(llm, ImageGenerator):
         raise DataError(f"sample {next(a.dialog.conv.id for a, i in zip(asks, images) if i)!r}: its prompt holds images, "
                         f"and regenerate's engine ({type(llm).__name__}) takes token ids only; images are regenerated "
-                        "in this process: unset regenerate.endpoint and set target.keep_warm_s=0")
+                        "by a vLLM engine of ours (in this process or warm): unset regenerate.endpoint")
+    if any(images) and isinstance(llm, ImageGenerator):
+        generate = llm.generate_with_images
+    elif isinstance(llm, TokenGenerator):
+        generate = llm.generate_ids
+    else:
+        generate = partial(vllm_adapter.generate, llm)
     outputs: list[list[int]] = []
     if progress is not None:
         progress(before, planned, tokens_before)  # the engine is loaded: the rate counts from the first of these

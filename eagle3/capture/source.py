@@ -5,11 +5,12 @@ prompt, the states at the requested layer ids (vLLM's convention, eagle3.capture
 [T, len(layer_ids), H], rows in token order, on whatever device the backend keeps them.
 
 - `VllmSource`: in-process vLLM with a patched inner forward (eagle3.capture.hooks); the production path.
-  The only one that takes images (an `ImageSource`, `capture_images`): the engine gets each prompt as
+  It takes images (an `ImageSource`, `capture_images`): the engine gets each prompt as
   prepared (one placeholder per image) with its images, and expands the placeholders itself; the capture
   waits for the expanded ids (vLLM's own multimodal processor, asked first) and returns them with the states.
-  The other sources refuse image samples.
-- `TensorParallelVllmSource` (eagle3.capture.tp_capture): the same capture inside each TP worker process.
+  HFSource refuses image samples.
+- `TensorParallelVllmSource` (eagle3.capture.tp_capture): the same capture inside each TP worker process,
+  images too (the driver expands, vLLM sends the images to its workers with the batch).
 - `HFSource` (eagle3.capture.hf_source): transformers with forward hooks; reference, small targets, benchmark.
 - a `SourceProvider` (a warm engine, eagle3.engine.client): the engine process runs one of the above itself.
 
@@ -92,7 +93,7 @@ class VllmSource:
 
 @runtime_checkable
 class ImageSource(Protocol):
-    """A source that captures prompts with images (VllmSource)."""
+    """A source that captures prompts with images (VllmSource, TensorParallelVllmSource, a warm engine's)."""
 
     def capture_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]],
                        layer_ids: Sequence[int]) -> tuple[list[list[int]], list[torch.Tensor]]:

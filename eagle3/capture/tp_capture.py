@@ -24,6 +24,10 @@ collective_rpc can run, and nothing of ours has to be named when the engine is c
 call needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (functions travel by reference to this module),
 which the adapter sets for TP engines. The driver and the workers are on one host (vLLM's mp
 executor), so they share /dev/shm.
+
+Images (`capture_images`): the driver's vLLM processor expands each prompt's placeholders (the ids every
+rank runs, which `open` is given), and the prefill carries the images, which vLLM's executor sends to its
+workers with the batch as it does for any multimodal request.
 """
 
 from __future__ import annotations
@@ -111,7 +115,18 @@ class TensorParallelVllmSource:
         self._hidden_size = hidden_size
         self._layer_ids: list[int] | None = None
 
-    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[torch.Tensor]:
+    def capture_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]],
+                       layer_ids: Sequence[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """As VllmSource.capture_images: the driver's processor expands the placeholders (the ids every rank runs),
+        the workers get the images with the batch, as vLLM sends any multimodal input to its TP workers."""
+        from eagle3.capture.vllm_images import expand_prompts
+
+        expanded = expand_prompts(self._llm, prompts, images)
+        return expanded, self.capture(expanded, layer_ids, engine_prompts=(prompts, images))
+
+    def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int],
+                engine_prompts: tuple[Sequence[Sequence[int]], Sequence[Sequence[str]]] | None = None) -> list[torch.Tensor]:
+        """`engine_prompts`: (prompts, images) the engine is given instead, which it expands into `prompts`."""
         from eagle3.capture import vllm_adapter
         from eagle3.capture.hooks import CaptureError
 
@@ -126,7 +141,10 @@ class TensorParallelVllmSource:
         try:
             self._llm.collective_rpc(_open, args=([list(p) for p in prompts], self._hidden_size, str(path)))
             try:
-                vllm_adapter.prefill(self._llm, prompts)
+                if engine_prompts is None:
+                    vllm_adapter.prefill(self._llm, prompts)
+                else:
+                    vllm_adapter.prefill(self._llm, engine_prompts[0], engine_prompts[1])
             except BaseException:
                 self._llm.collective_rpc(_close, args=(True,))
                 raise

@@ -355,6 +355,7 @@ class GreedyOutput:
     # draft tokens accepted over them; None without a draft or on a vLLM without per-request metrics
     spec_steps: int | None = None
     spec_accepted: int | None = None
+    prompt_tokens: int = 0  # the prompt's length as the engine ran it (each image expanded to its image tokens)
 
 
 def load_serving_engine(
@@ -408,13 +409,13 @@ def load_serving_engine(
     )
 
 
-def greedy_generate(llm, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, num_logprobs: int = 2) -> list[GreedyOutput]:  # noqa: ANN001
-    """Greedy (temperature 0) generation from token-id prompts, in prompt order, with top logprobs."""
+def greedy_generate(llm, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, num_logprobs: int = 2,  # noqa: ANN001
+                    images: Images | None = None) -> list[GreedyOutput]:
+    """Greedy (temperature 0) generation from token-id prompts, in prompt order, with top logprobs; `images`: per
+    prompt its image URLs (an engine loaded with images=True)."""
     vllm = _import_vllm()
-    from vllm.inputs import TokensPrompt
-
     params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, logprobs=num_logprobs or None)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate(token_prompts(llm, prompts, images), params, use_tqdm=False)
     results = []
     for out in outputs:
         completion = out.outputs[0]
@@ -424,6 +425,7 @@ def greedy_generate(llm, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
         histogram = list(getattr(metrics, "histogram", None) or [])
         results.append(GreedyOutput(
             token_ids=list(completion.token_ids), top_logprobs=tops,
+            prompt_tokens=len(out.prompt_token_ids or ()),
             spec_steps=sum(histogram) if metrics is not None else None,
             spec_accepted=sum(j * count for j, count in enumerate(histogram)) if metrics is not None else None))
     return results

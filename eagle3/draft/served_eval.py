@@ -30,7 +30,10 @@ logprob gap is a logit difference, and vLLM's logits leave a bf16 model in bf16,
 such steps. In float32 the two runs' gaps agree to about 1e-4 nats.
 
 A prompt is the part of a held-out sample before its first loss-masked (assistant) token:
-the chat up to and including the assistant header, which is what a user sends.
+the chat up to and including the assistant header, which is what a user sends. A prompt that held
+images is sent with them (`multi_modal_data`, as prepared: one placeholder per image, which the
+server's own multimodal processor expands), so the draft is served the tokens after an image as the
+server sees them; `ServedReport.prompt_tokens` counts the prompts' tokens as vLLM ran them.
 
 When the prompts' samples name data sources, `ServedReport.per_source` gives the served
 acceptance per source from vLLM's per-request counters: 1 + the source's accepted draft
@@ -41,12 +44,12 @@ gives no per-request counters gives no per-source served figure (the report says
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eagle3.capture import vllm_adapter
-from eagle3.data.conversations import UNLABELLED
+from eagle3.data.conversations import UNLABELLED, TokenizedSample
 
 
 # vLLM's default `max_logprobs`: the most a request may ask for from an engine loaded without raising it.
@@ -135,6 +138,8 @@ class ServedReport:
     request_accepted: list[int] = field(default_factory=list)
     reference_tokens: int = 0  # tokens the run without the draft generated (generated_tokens: with it)
     request_sources: list[str | None] = field(default_factory=list)  # each prompt's data source; empty: none named
+    prompt_tokens: int = 0  # the prompts' tokens as vLLM ran them (images expanded), in the run without the draft
+    prompts_with_images: int = 0  # prompts sent with their images
 
     @property
     def per_source(self) -> dict[str, dict[str, float | int]]:
@@ -206,7 +211,7 @@ class ServedReport:
         text = (
             f"**Served acceptance length (vLLM's counters): {self.acceptance_length:.3f}** "
             f"({self.num_drafts} drafts of {len(self.per_position)} tokens over {self.num_prompts} prompts). "
-            f"{self._pooled_and_mean()}\n\n{self._speed()}"
+            f"{self._pooled_and_mean()}{self._images()}\n\n{self._speed()}"
             f"{header}\n{rule}\n{row}\n\n"
             f"Greedy output identical to the run without speculation: {self.identical}/{self.num_prompts} "
             f"({self.identical_share:.1%}); of the {len(self.divergences)} that differ, {self.near_ties} are proven "
@@ -228,6 +233,12 @@ class ServedReport:
         return (pooled + f" The mean per request, each request's own acceptance length averaged over the "
                 f"{len(self.request_acceptance)} requests that drafted, is {mean:.3f}: it weighs a short request as "
                 "much as a long one, so the two differ when acceptance varies with length.")
+
+    def _images(self) -> str:
+        if not self.prompts_with_images:
+            return ""
+        return (f" {self.prompts_with_images} of the prompts held images and were sent with them: "
+                f"{self.prompt_tokens} prompt tokens as vLLM ran them, each image expanded to its image tokens.")
 
     def _speed(self) -> str:
         rates = self.tokens_per_second
@@ -282,6 +293,26 @@ def heldout_prompt_rows(samples: Iterable[tuple[Sequence[int], Sequence[int]]], 
     return prompts
 
 
+def with_images(rows: Sequence[tuple[int, list[int]]], sample_ids: Sequence[str], prepared: Mapping[str, TokenizedSample],
+                placeholder: int | None) -> tuple[list[list[int]], list[list[str]]]:
+    """The held-out prompts to send, and per prompt its image URLs: `rows` (sample index, prompt) as heldout_prompt_rows
+    gives them from the store, whose ids hold each image expanded; a row whose sample (`sample_ids[index]`, looked up
+    in `prepared`, TokenizedSample by id) has images is sent as prepared instead, its prompt up to its first learned
+    token with one `placeholder` per image and the images those placeholders stand for."""
+    prompts, images = [], []
+    for index, prompt in rows:
+        sample = prepared.get(sample_ids[index])
+        if sample is None or not sample.images:
+            prompts.append(prompt)
+            images.append([])
+            continue
+        first = next(i for i, m in enumerate(sample.loss_mask) if m)
+        ids = [int(t) for t in sample.input_ids[:first]]
+        prompts.append(ids)
+        images.append(list(sample.images[:ids.count(placeholder)]))
+    return prompts, images
+
+
 def first_difference(spec: Sequence[int], ref: Sequence[int]) -> int | None:
     """Index of the first token where two outputs differ (the shorter one's length when one is a prefix); None if equal."""
     if list(spec) == list(ref):
@@ -314,13 +345,18 @@ def served_acceptance(
     kv_cache_gib: float = 1.0,
     near_tie_gap: float = 0.25,
     sources: Sequence[str | None] = (),
+    images: Sequence[Sequence[str]] = (),
+    longest_prompt: int | None = None,
 ) -> ServedReport:
     """Serve the target with and without the draft on `prompts` (greedy) and compare; see the module docstring.
-    `sources`: each prompt's data source (empty: none), for the per-source served figures."""
+    `sources`: each prompt's data source (empty: none), for the per-source served figures. `images`: per prompt its
+    image URLs (empty: text only), `longest_prompt` then the longest prompt as the engine runs it (images expanded)."""
     if not prompts:
         raise ValueError("no held-out prompts to serve; raise data.heldout_fraction or evaluate.served_max_prompts")
-    max_model_len = max(len(p) for p in prompts) + max_new_tokens + num_draft_tokens + 1
-    settings = dict(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
+    pictures = list(images) if any(images) else None
+    longest = max([len(p) for p in prompts] + ([longest_prompt] if longest_prompt else []))
+    max_model_len = longest + max_new_tokens + num_draft_tokens + 1
+    settings = dict(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, images=pictures is not None)
     vllm_adapter.release_all()  # one engine in memory at a time
     llm = vllm_adapter.load_serving_engine(
         str(target_dir), **settings, speculative_dir=str(export_dir), num_speculative_tokens=num_draft_tokens
@@ -328,7 +364,8 @@ def served_acceptance(
     try:
         before = vllm_adapter.spec_decode_counters(llm)
         started = time.monotonic()
-        spec = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS)
+        spec = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS,
+                                            images=pictures)
         seconds_spec = time.monotonic() - started
         counters = vllm_adapter.spec_decode_counters(llm).minus(before)
     finally:
@@ -337,12 +374,14 @@ def served_acceptance(
     llm = vllm_adapter.load_serving_engine(str(target_dir), **settings)
     try:
         started = time.monotonic()
-        ref = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS)
+        ref = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS,
+                                           images=pictures)
         seconds_ref = time.monotonic() - started
     finally:
         vllm_adapter.shutdown_engine(llm)
         del llm
-    return build_report(counters, spec, ref, num_draft_tokens, near_tie_gap, seconds_spec, seconds_ref, sources)
+    report = build_report(counters, spec, ref, num_draft_tokens, near_tie_gap, seconds_spec, seconds_ref, sources)
+    return replace(report, prompts_with_images=sum(map(bool, images)))
 
 
 def build_report(
@@ -385,4 +424,5 @@ def build_report(
         agree_drift_p99=drift[min(len(drift) - 1, int(0.99 * len(drift)))] if drift else 0.0,
         agree_drift_nonzero=sum(x > 0 for x in drift),
         request_sources=list(sources) if any(sources) else [],
+        prompt_tokens=sum(o.prompt_tokens for o in ref),
     )

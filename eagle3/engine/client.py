@@ -118,17 +118,36 @@ class WarmEngine:
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
         return self._request(("generate", [list(p) for p in prompts], params), on_finished)
 
+    def generate_with_images(self, prompts: Sequence[Sequence[int]], *, images: Sequence[Sequence[str]], max_new_tokens: int,
+                             temperature: float, top_p: float, seed: int,
+                             on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
+        """generate_ids for prompts with images: per prompt its image URLs, which the engine (on this host) loads."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                  "images": host_urls(images)}
+        return self._request(("generate", [list(p) for p in prompts], params), on_finished)
+
     def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int], hidden_size: int) -> list[torch.Tensor]:
         """Per prompt [T_i, len(layer_ids), H] float32, as views of the shared-memory file the engine wrote."""
+        return self._capture(("capture", [list(p) for p in prompts]), layer_ids, hidden_size)[1]
+
+    def capture_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]], layer_ids: Sequence[int],
+                       hidden_size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """(the ids the engine ran per prompt, its images' placeholders expanded; states as capture's)."""
+        return self._capture(("capture_images", [list(p) for p in prompts], host_urls(images)), layer_ids, hidden_size)
+
+    def _capture(self, head: tuple, layer_ids: Sequence[int],
+                 hidden_size: int) -> tuple[list[list[int]] | None, list[torch.Tensor]]:
+        """`head`: the request's kind and prompts (and images); (capture_images' expanded ids or None, the states)."""
         _remove_stale_states()
         path = shm_dir() / f"{STATES_PREFIX}{os.getpid()}-{next(_REQUESTS)}"
         try:
-            lengths = self._request(("capture", [list(p) for p in prompts], list(layer_ids), hidden_size, str(path)))
+            answer = self._request((*head, list(layer_ids), hidden_size, str(path)))
+            expanded, lengths = answer if head[0] == "capture_images" else (None, answer)
             n = len(layer_ids)
             flat = torch.from_file(str(path), shared=True, size=sum(lengths) * n * hidden_size, dtype=torch.float32)
         finally:
             path.unlink(missing_ok=True)  # the mapping stays valid; the memory goes with the last view
-        return list(flat.view(sum(lengths), n, hidden_size).split(lengths))
+        return expanded, list(flat.view(sum(lengths), n, hidden_size).split(lengths))
 
     def open_source(self, hidden_size: int, batch_tokens: int) -> _WarmSource:  # noqa: ARG002 - the engine batches
         return _WarmSource(self, hidden_size)
@@ -145,6 +164,12 @@ class WarmEngine:
             pass  # gone already: what release asks for is true
         finally:
             self.conn.close()
+
+
+def host_urls(images: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Per prompt its image URLs, a relative file:// path made absolute (the engine's working folder may differ)."""
+    return [[f"file://{Path(u.removeprefix('file://')).resolve()}" if u.startswith("file://") else u for u in urls]
+            for urls in images]
 
 
 def _remove_stale_states() -> None:
@@ -164,6 +189,11 @@ class _WarmSource:
     def capture(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[torch.Tensor]:
         return self.engine.capture(prompts, layer_ids, self.hidden_size)
 
+    def capture_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]],
+                       layer_ids: Sequence[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """eagle3.capture.source.ImageSource: the engine loads the images and expands their placeholders."""
+        return self.engine.capture_images(prompts, images, layer_ids, self.hidden_size)
+
     def close(self) -> None:
         pass  # the engine removes its capture when the run detaches or generates
 
@@ -174,7 +204,9 @@ def _remote_error(pid: int, kind: str, text: str) -> Exception:
 
     if kind in ("EngineDeadError", "EngineGenerateError"):
         return EngineGone(f"warm engine pid {pid}: {kind}: {text}")
-    known = {"CaptureError": CaptureError, "VllmUnsupported": VllmUnsupported, "ValueError": ValueError}
+    from eagle3.data.images import ImageError
+
+    known = {"CaptureError": CaptureError, "VllmUnsupported": VllmUnsupported, "ValueError": ValueError, "ImageError": ImageError}
     return known.get(kind, RuntimeError)(f"{text} (in warm engine pid {pid}, {kind})")
 
 

@@ -16,10 +16,17 @@ Messages (client -> engine; the engine answers ("result", value) or ("error", ki
 while a request runs sends ("alive",) every HEARTBEAT_S and ("progress", n) as answers finish):
 
     ("hello", {"pid", "keep_warm_s"})                       -> this engine's record
-    ("generate", prompts, {max_new_tokens, temperature, top_p, seed})  -> token ids per prompt
+    ("generate", prompts, {max_new_tokens, temperature, top_p, seed[, images]})  -> token ids per prompt
     ("capture", prompts, layer_ids, hidden_size, path)     -> lengths; the states [sum T, n, H]
                                                                float32 are written into `path`
                                                                (a file in /dev/shm the client maps)
+    ("capture_images", prompts, images, layer_ids, hidden_size, path)
+                                                           -> (the ids the engine ran per prompt, lengths);
+                                                               the states as capture's
+
+Images: `images` is, per prompt, the URLs of its images (file:///abs/path or data:image/...;base64), as the
+data gives them; the engine runs on the client's host and loads them itself with eagle3.data.images, exactly
+as an in-process engine does (eagle3.capture.vllm_images). No pixels cross the socket.
     ("sleep", level)                                       -> None; LLM.sleep(level) (GPU only), woken by the
                                                                next generate or capture (target.sleep_during_train)
     ("release", stop)                                      -> None; stop: the engine then exits
@@ -209,7 +216,7 @@ class EngineServer:
             return read_info(self.home)
         if kind == "sleep":
             return self._sleep(int(args[0]))
-        if self.sleeping and kind in ("generate", "capture"):
+        if self.sleeping and kind in ("generate", "capture", "capture_images"):
             self.llm.wake_up()  # weights back from host RAM: seconds, not a load
             self.sleeping = False
             write_info(self.home, (read_info(self.home) or self.record) | {"sleeping": False})
@@ -219,10 +226,12 @@ class EngineServer:
             return vllm_adapter.generate(self.llm, prompts, on_finished=lambda n: client.send(("progress", n)), **params)
         if kind == "capture":
             return self._capture(*args)
+        if kind == "capture_images":
+            return self._capture_images(*args)
         if kind == "release":
             self.stopping = self.stopping or bool(args[0])
             return None
-        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, capture, sleep or release")
+        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, capture, capture_images, sleep or release")
 
     def _sleep(self, level: int) -> None:
         """vLLM sleep mode (GPU only; the engine was loaded with enable_sleep_mode): level 1 moves the weights to
@@ -235,20 +244,27 @@ class EngineServer:
         write_info(self.home, (read_info(self.home) or self.record) | {"sleeping": True})
 
     def _capture(self, prompts: list[list[int]], layer_ids: list[int], hidden_size: int, path: str) -> list[int]:
-        import torch
+        _check_states_path(path)
+        states = self._open_source(hidden_size).capture(prompts, layer_ids)  # per prompt [T_i, n, H]
+        return _write_states(states, path, len(layer_ids), hidden_size)
 
+    def _capture_images(self, prompts: list[list[int]], images: list[list[str]], layer_ids: list[int], hidden_size: int,
+                        path: str) -> tuple[list[list[int]], list[int]]:
+        _check_states_path(path)
+        from eagle3.capture.source import ImageSource
+
+        source = self._open_source(hidden_size)
+        if not isinstance(source, ImageSource):
+            raise ValueError(f"this engine's capture ({type(source).__name__}) takes no images")
+        expanded, states = source.capture_images(prompts, images, layer_ids)  # ids as run; per prompt [T_i, n, H]
+        return expanded, _write_states(states, path, len(layer_ids), hidden_size)
+
+    def _open_source(self, hidden_size: int) -> object:
         from eagle3.capture.source import open_source
 
-        target = Path(path)
-        if target.parent != shm_dir() or not target.name.startswith(STATES_PREFIX):
-            raise ValueError(f"capture path {path!r}; expected a file {STATES_PREFIX}* in {shm_dir()}")
         if self.source is None:
             self.source = open_source("vllm", self.llm, hidden_size=hidden_size, batch_tokens=1)
-        states = self.source.capture(prompts, layer_ids)  # per prompt [T_i, n, H]
-        lengths = [int(s.shape[0]) for s in states]
-        flat = torch.from_file(path, shared=True, size=sum(lengths) * len(layer_ids) * hidden_size, dtype=torch.float32)
-        torch.cat([s.reshape(-1).float() for s in states], out=flat)  # [sum T * n * H], the client's view
-        return lengths
+        return self.source
 
     def _close_source(self) -> None:
         if self.source is not None:
@@ -266,6 +282,24 @@ class EngineServer:
         if not self.clients:
             self._close_source()
             self.idle_since = time.monotonic()
+
+
+def _check_states_path(path: str) -> None:
+    """Only a states file of ours in shared memory is written (checked before the capture runs)."""
+    target = Path(path)
+    if target.parent != shm_dir() or not target.name.startswith(STATES_PREFIX):
+        raise ValueError(f"capture path {path!r}; expected a file {STATES_PREFIX}* in {shm_dir()}")
+
+
+def _write_states(states: list, path: str, n_ids: int, hidden_size: int) -> list[int]:
+    """Per prompt [T_i, n_ids, H] -> the shared-memory file `path` the client maps ([sum T * n_ids * H] float32);
+    the lengths T_i."""
+    import torch
+
+    lengths = [int(s.shape[0]) for s in states]
+    flat = torch.from_file(path, shared=True, size=sum(lengths) * n_ids * hidden_size, dtype=torch.float32)
+    torch.cat([s.reshape(-1).float() for s in states], out=flat)  # [sum T * n * H], the client's view
+    return lengths
 
 
 def _holds_gpus() -> bool:

@@ -13,6 +13,7 @@ tower, random small PNGs, through the regenerate (off) -> prepare_data -> extrac
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,8 @@ def test_a_rerun_is_all_cached_and_a_changed_image_changes_the_fingerprint(run):
     write_png(work / "a.png", seed=11)
     changed = stages.fingerprint_regenerate(NO_REGEN, data, target, config.max_model_len)
     assert changed != records[0].fingerprint
+    write_png(work / "a.png", seed=1)  # the image as it was: the fingerprint is its content's (the later tests use it)
+    assert stages.fingerprint_regenerate(NO_REGEN, data, target, config.max_model_len) == records[0].fingerprint
     assert json.loads((Path(records[0].uri) / "chat_template_kwargs.json").read_text()) == {}
 
 
@@ -164,3 +167,70 @@ def test_regeneration_answers_image_prompts_with_the_tower_loaded(run):
     images = {s.id: len(s.images) for s in read_samples(prepared.path / "train.jsonl")}
     assert {k: images.get(k) for k in ("a", "b", "two")} == {"a": 1, "b": 1, "two": 2}  # (a random target's text answer
     # may decode to nothing learnable: the text-only sample is not asserted here)
+
+
+def test_a_warm_engine_captures_and_regenerates_images_as_the_in_process_engine(run):
+    """target.keep_warm_s > 0 (the GPU default): the engine process is sent the image URLs and loads them itself; the
+    store equals the in-process engine's (same fingerprints, ids, masks, states within 1e-4), regeneration gives the
+    same greedy answers, and a rerun is all cached with the engine left warm."""
+    config, target, data, root, _, (_, prepared, extracted), work = run
+    warm = config.model_copy(update={"keep_warm_s": 300.0})
+    warm_root, warm_loads = work / "warm", work / "warm-loads.jsonl"
+    pad = AutoTokenizer.from_pretrained(target.stats["model_dir"]).convert_tokens_to_ids("<|media_pad|>")
+    regen_config = RegenerateConfig(max_new_tokens=4)
+    regen_fp = stages.fingerprint_regenerate(regen_config, data, target, config.max_model_len)
+    try:
+        records = _chain(warm, target, data, warm_root, warm_loads)
+        events = [json.loads(line) for line in warm_loads.read_text().splitlines()]
+        assert [e.get("event") for e in events] == ["loaded"] and events[0]["pid"] != os.getpid()  # an engine process
+        assert records[2].fingerprint == extracted.fingerprint  # the same artifact as the in-process engine's
+        local = {s.sample_id: s for s in StoreReader(extracted.path / "train")}
+        stored = list(StoreReader(records[2].path / "train"))
+        assert sorted(s.sample_id for s in stored) == sorted(local)
+        for sample in stored:
+            want = local[sample.sample_id]
+            ids, mask = sample.input_ids.tolist(), sample.loss_mask.tolist()
+            assert ids == want.input_ids.tolist() and mask == want.loss_mask.tolist()
+            assert (ids.count(pad) > 0) == (sample.sample_id != "text")  # the engine expanded the images
+            assert not any(m for t, m in zip(ids, mask) if t == pad)  # image positions never learned
+            torch.testing.assert_close(sample.hidden_states.float(), want.hidden_states.float(), atol=ATOL, rtol=0)
+        engine_pool.release_all(keep_warm=True)  # that run ends; the next one attaches to the warm engine
+        regen = stages.run_regenerate(regen_config, data, warm, target, warm_root, regen_fp, warm_loads)
+        assert json.loads(warm_loads.read_text().splitlines()[-1])["event"] == "attached"  # no second load
+        engine_pool.release_all(keep_warm=True)  # the run detaches; the engine stays warm
+        lines = warm_loads.read_text().count("\n")
+        again = _chain(warm, target, data, warm_root, warm_loads)
+        assert [r.uri for r in again] == [r.uri for r in records]
+        assert warm_loads.read_text().count("\n") == lines  # all cached: not even an attach
+    finally:
+        engine_pool.release_all(keep_warm=False)  # this run's engine: stopped
+    local_regen = stages.run_regenerate(regen_config, data, config, target, root, regen_fp, work / "loads.jsonl")
+    assert (regen.path / "conversations.jsonl").read_text() == (local_regen.path / "conversations.jsonl").read_text()
+
+
+def test_tensor_parallel_2_captures_and_regenerates_images_as_tp1(run):
+    """target.tensor_parallel_size 2 (vLLM's mp executor, two real worker processes on the CPU), in this process and
+    through a warm engine: the same ids and masks as TP 1, states within 1e-4, the same greedy answers."""
+    config, target, data, root, loads, (_, _, extracted), work = run
+    local = {s.sample_id: s for s in StoreReader(extracted.path / "train")}
+    regen_config = RegenerateConfig(max_new_tokens=4)
+    regen_fp = stages.fingerprint_regenerate(regen_config, data, target, config.max_model_len)
+    for keep in (0, 300.0):
+        tp2 = config.model_copy(update={"tensor_parallel_size": 2, "keep_warm_s": keep})
+        tp_root, tp_loads = work / f"tp2-{keep}", work / f"tp2-{keep}.jsonl"
+        try:
+            records = _chain(tp2, target, data, tp_root, tp_loads)
+            regen = stages.run_regenerate(regen_config, data, tp2, target, tp_root, regen_fp, tp_loads)
+        finally:
+            engine_pool.release_all(keep_warm=False)
+            vllm_adapter.release_all()
+        assert [json.loads(line)["preflight"]["tensor_parallel_size"] for line in tp_loads.read_text().splitlines()] == [2]
+        stored = list(StoreReader(records[2].path / "train"))
+        assert sorted(s.sample_id for s in stored) == sorted(local)
+        for sample in stored:
+            want = local[sample.sample_id]
+            assert sample.input_ids.tolist() == want.input_ids.tolist()
+            assert sample.loss_mask.tolist() == want.loss_mask.tolist()
+            torch.testing.assert_close(sample.hidden_states.float(), want.hidden_states.float(), atol=ATOL, rtol=0)
+        local_regen = stages.run_regenerate(regen_config, data, config, target, root, regen_fp, loads)
+        assert (regen.path / "conversations.jsonl").read_text() == (local_regen.path / "conversations.jsonl").read_text()

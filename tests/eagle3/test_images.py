@@ -157,10 +157,9 @@ def test_images_through_an_engine_elsewhere_are_refused_before_any_load(kimi, tm
     data = DataConfig(source=str(write_rows(tmp_path / "chats.jsonl", [image_row("pic", write_png(tmp_path / "a.png", 5))])),
                       heldout_fraction=0.0)
     loads = tmp_path / "loads.jsonl"
-    warm = config.model_copy(update={"keep_warm_s": 30.0})
-    regen = RegenerateConfig()
-    with pytest.raises(DataError, match=r"regenerate: the data holds images.*target.keep_warm_s=30.0"):
-        stages.run_regenerate(regen, data, warm, target, root, fp := stages.fingerprint_regenerate(regen, data, target, 512), loads)
+    regen = RegenerateConfig(endpoint="http://127.0.0.1:9")
+    with pytest.raises(DataError, match=r"regenerate: the data holds images.*regenerate.endpoint='http://127.0.0.1:9'"):
+        stages.run_regenerate(regen, data, config, target, root, fp := stages.fingerprint_regenerate(regen, data, target, 512), loads)
     assert not stages.out_dir(root, "regenerate", fp).exists()  # nothing written
     prepared = _prepare(kimi, data)
     from eagle3.capture.extract import ExtractConfig
@@ -168,6 +167,12 @@ def test_images_through_an_engine_elsewhere_are_refused_before_any_load(kimi, tm
     hf = ExtractConfig(backend="hf")
     with pytest.raises(DataError, match=r"extract: the data holds images.*extract.backend='hf'"):
         stages.run_extract(hf, config, prepared, target, root, stages.fingerprint_extract(hf, config, prepared, target), loads)
+    online = ExtractConfig(store_budget_gib=0.0)  # what train.data online sets: its capture would take the text only
+    with pytest.raises(DataError, match=r"extract: the data holds images.*extract.store_budget_gib \(train.data "
+                                        r"online/hybrid\)=0.0.*train.data='store'"):
+        stages.run_extract(online, config, prepared, target, root,
+                           fp := stages.fingerprint_extract(online, config, prepared, target), loads)
+    assert not stages.out_dir(root, "extract", fp).exists()
     assert not loads.exists()
 
 

@@ -283,3 +283,46 @@ def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_o
             vllm_adapter.shutdown_engine(llm)
     assert outputs["with"] == outputs["without"] and all(len(o) == 12 for o in outputs["with"])
     assert outputs["with_drafts"] > 0 and outputs["without_drafts"] == 0
+
+
+def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keeps_greedy_output(trained, builtin_cache):
+    """eval.served on a data set whose held-out conversations hold images (the tiny Kimi-K2.5 with its tower, our MLA
+    draft): each prompt goes to vLLM with its image, so the prompt tokens vLLM reports are the held-out store's, 6
+    image positions per 56 x 84 image included; greedy output with the draft is the output without it."""
+    from eagle3 import draft_stages, stages
+    from eagle3.artifacts import StageRecord
+    from eagle3.capture.extract import ExtractConfig
+    from eagle3.capture.regenerate import RegenerateConfig
+    from eagle3.capture.store import StoreReader
+    from eagle3.data.conversations import DataConfig
+    from eagle3.data.target import TargetConfig
+    from eagle3.draft.evaluate import EvalConfig
+    from tests.eagle3.image_data import build_kimi_with_images, image_row, write_png, write_rows
+
+    work = trained["work"] / "served-images"
+    model = build_kimi_with_images(work / "kimi")  # the same weights as trained["kimi_k25"], a template for images
+    rows = [image_row(f"img{i}", write_png(work / f"{i}.png", seed=20 + i), question=f"Question {i}?",
+                      answer="A cat on a mat.") for i in range(8)]
+    data = DataConfig(source=str(write_rows(work / "chats.jsonl", rows)), heldout_fraction=0.5)
+    config = TargetConfig(model=str(model), max_model_len=512, dtype="float32", keep_warm_s=0, aux_layer_ids=AUX)
+    root, loads, off = work / "artifacts", work / "loads.jsonl", RegenerateConfig(enabled=False)
+    target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
+    regen = stages.run_regenerate(off, data, config, target, root, stages.fingerprint_regenerate(off, data, target, 512), loads)
+    prepared = stages.run_prepare(data, regen, target, False, root, stages.fingerprint_prepare(data, regen, target))
+    extract = ExtractConfig(samples_per_shard=2, batch_tokens=200)
+    extracted = stages.run_extract(extract, config, prepared, target, root,
+                                   stages.fingerprint_extract(extract, config, prepared, target), loads)
+    from eagle3.capture import vllm_adapter
+
+    vllm_adapter.release_all()
+    exported = StageRecord(stage="export", uri=str(trained["export"]), fingerprint="mla-draft", stats={})
+    evaluate = EvalConfig(served=True, served_max_new_tokens=12, served_dtype="float32", num_draft_tokens=3)
+    record = draft_stages.run_evaluate(evaluate, target, exported, extracted, root,
+                                       draft_stages.fingerprint_evaluate(evaluate, exported, extracted))
+    served = json.loads((record.path / "acceptance.json").read_text())["served"]
+    heldout = list(StoreReader(extracted.path / "heldout"))
+    assert len(heldout) >= 1 and served["num_prompts"] == served["prompts_with_images"] == len(heldout)
+    as_stored = sum(s.loss_mask.tolist().index(1) for s in heldout)  # each prompt's tokens, its image expanded
+    assert served["prompt_tokens"] == as_stored
+    assert served["identical"] == served["num_prompts"] and served["num_drafts"] > 0
+    assert "held images and were sent with them" in (record.path / "acceptance.md").read_text()
