@@ -119,16 +119,19 @@ class RemoteFeed:
     def consumed(self, k: int) -> None:
         (self.folder / shard_name(self.stream, k)).unlink(missing_ok=True)
         with self.lock:
+            if self.closed:  # a loader thread that read ahead of the last step: writing the cursor now would leave
+                return  # cursor.json (and the folder) behind after close
             self.done.add(k)
             self._write_cursor()
 
     def close(self) -> None:
         """Nothing of the feed outlives the run: shards, feed.json (a worker then stops), cursor, samples, folder."""
-        self.closed = True
-        (self.folder / FEED_FILE).unlink(missing_ok=True)
-        remove_shards(self.folder)
-        for name in (CURSOR_FILE, SAMPLES_FILE):
-            (self.folder / name).unlink(missing_ok=True)
+        with self.lock:  # no cursor write after this (consumed)
+            self.closed = True
+            (self.folder / FEED_FILE).unlink(missing_ok=True)
+            remove_shards(self.folder)
+            for name in (CURSOR_FILE, SAMPLES_FILE):
+                (self.folder / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.folder.rmdir()
             if self.folder.parent.name == "online_buffer":
