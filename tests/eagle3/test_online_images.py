@@ -101,7 +101,7 @@ def test_online_on_image_data_gives_the_store_runs_losses_and_writes_the_stores_
     losses = _train(world, extracted, "online", tmp_path)
     assert len(losses) == TRAIN["steps"] and losses == pytest.approx(store_losses, abs=1e-5)
     pad = AutoTokenizer.from_pretrained(world["target"].stats["model_dir"]).convert_tokens_to_ids("<|media_pad|>")
-    cut, images_seen = TRAIN["batch_tokens"], 0
+    cut, images_seen, cut_samples = TRAIN["batch_tokens"], 0, 0
     for need, prompts, masks, shapes in written:
         for i, ids, mask, shape in zip(need, prompts, masks, shapes, strict=True):
             assert ids == stored[i].input_ids.tolist()[:cut]  # expanded as the store's, cut as its reader cuts
@@ -109,7 +109,8 @@ def test_online_on_image_data_gives_the_store_runs_losses_and_writes_the_stores_
             assert not any(m for t, m in zip(ids, mask) if t == pad)  # image positions never learned
             assert shape[0] == len(ids)
             images_seen += ids.count(pad)
-    assert images_seen > 0
+            cut_samples += len(stored[i].input_ids) > cut  # "two" (66 tokens once expanded) is cut to 64
+    assert images_seen > 0 and cut_samples > 0 and sum(store_losses) > 0
 
 
 def test_hybrid_on_image_data_gives_the_store_runs_losses(world, store_run, tmp_path):
