@@ -10,6 +10,7 @@ tower (tests.eagle3.image_data, as test_capture_images builds it), its warm engi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -128,3 +129,21 @@ def test_a_remote_capture_worker_is_refused_on_image_data_naming_the_setting(wor
     extracted = _extract(world, 0.0)
     with pytest.raises(OnlineDataError, match=r"holds images, and online.producer='remote' captures text only"):
         _train(world, extracted, "online", tmp_path, producer="remote")
+
+
+def test_the_producer_expands_masks_cuts_and_refuses_a_length_other_than_measured():
+    """capture_with_images alone (a fake engine that inserts 3 image tokens at the placeholder 9): the store's ids and
+    mask (0 at the inserted positions), cut to batch_tokens; a length other than the extract stage's is an error."""
+    def engine(prompts, images):  # noqa: ANN001, ANN202
+        runs = [[t for x in p for t in ([x] * 3 if x == 9 and urls else [x])] for p, urls in zip(prompts, images)]
+        return runs, [torch.zeros(len(r), 2, 4) for r in runs]
+
+    image = online_data.OnlineSample([5, 9, 7, 1, 2], [0, 0, 0, 1, 1], ("file:///x.png",), 7)
+    text = online_data.OnlineSample([3, 4, 5, 6, 7, 8], [0, 1, 1, 1, 1, 1])
+    ids, masks, states = online_data.capture_with_images(engine, [0, 1], [image, text], 6)
+    assert ids == [[5, 9, 9, 9, 7, 1], [3, 4, 5, 6, 7, 8]] and masks == [[0, 0, 0, 0, 0, 1], [0, 1, 1, 1, 1, 1]]
+    assert [tuple(s.shape) for s in states] == [(6, 2, 4), (6, 2, 4)]
+    with pytest.raises(OnlineDataError, match=r"sample 0: the engine ran 7 tokens .* measured 8"):
+        online_data.capture_with_images(engine, [0], [dataclasses.replace(image, length=8)], 6)
+    with pytest.raises(OnlineDataError, match=r"samples \[0\] hold images, and this capture takes text only"):
+        online_data.capture_with_images(None, [0], [image], 6)
