@@ -28,7 +28,7 @@ from eagle3.draft.served_eval import ServedReport, heldout_prompt_rows, served_a
 from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
-from eagle3.draft.online_data import GIB, OnlineConfig, OnlineData, OnlineSample, check_buffer, plan_text
+from eagle3.draft.online_data import GIB, OnlineConfig, OnlineData, OnlineDataError, OnlineSample, check_buffer, plan_text
 from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from eagle3.engine.client import EngineGone
@@ -172,14 +172,20 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
     dtype = StoreReader(extracted.path / "heldout", verify=False).dtype
     storage = getattr(torch, dtype)
     check_buffer(setup.online.buffer_gib, config.batch_tokens, len(info.aux_layer_ids) + 1, info.hidden_size, storage)
-    samples = [OnlineSample(s.input_ids, s.loss_mask)
-               for s in conversations.read_samples(Path(str(extracted.stats["train_samples_file"])))]
+    prepared = conversations.read_samples(Path(str(extracted.stats["train_samples_file"])))
+    lengths = (json.loads(Path(str(extracted.stats["train_lengths_file"])).read_text())  # images expanded (extract)
+               if "train_lengths_file" in extracted.stats else [None] * len(prepared))
     limit = setup.target_config.max_model_len - 1  # extract.too_long: refused by the extract stage, else truncated
-    samples = [OnlineSample(s.input_ids[:limit], s.loss_mask[:limit]) for s in samples]
+    samples = [OnlineSample(s.input_ids[:limit], s.loss_mask[:limit], s.images, n if s.images else None)
+               for s, n in zip(prepared, lengths, strict=True)]  # a sample with images is never truncated (extract)
+    images = any(s.images for s in samples)
+    if images and setup.online.producer == "remote":
+        raise OnlineDataError("the train split holds images, and online.producer='remote' captures text only; set "
+                              "online.producer='local' (the run's own engine loads the images), or train.data='store'")
     kept = int(extracted.stats["train_kept"])
     rate = extracted.stats.get("capture_tokens_per_s")
     budget = extracted.stats.get("store_budget_gib")
-    say(f"train: {plan_text([len(s.input_ids) for s in samples], kept, config.batch_tokens, budget, rate)}")
+    say(f"train: {plan_text([s.tokens for s in samples], kept, config.batch_tokens, budget, rate)}")
     folder = Path(setup.online.buffer_dir) if setup.online.buffer_dir else root / "online_buffer" / fp
     remote = setup.online.producer == "remote"  # a capture worker elsewhere writes the shards (online_remote)
     cpus = None if torch.cuda.is_available() or remote else split_cpus(setup.online.engine_cpus)  # (engine's, trainer's)
@@ -191,12 +197,14 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
             f"eagle3 online-capture --buffer {folder} --model {info.model_dir} --dtype {setup.target_config.dtype} "
             f"--max-model-len {setup.target_config.max_model_len}")
     capture = None if remote else _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size,
-                                                 None if cpus is None else cpus[0])
+                                                 None if cpus is None else cpus[0],
+                                                 images or "heldout_samples_file" in extracted.stats)  # extract's engine
     with trainer_on(None if cpus is None else cpus[1]):
         yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None,
                          capture=capture, buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
                          aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage,
-                         producer=setup.online.producer, remote_wait_s=setup.online.remote_wait_s)
+                         producer=setup.online.producer, remote_wait_s=setup.online.remote_wait_s,
+                         capture_images=None if capture is None else capture.capture_images)
 
 
 class _EngineCapture:
@@ -204,8 +212,9 @@ class _EngineCapture:
     loaded afresh and asked again, CAPTURE_ATTEMPTS times in all, so a run outlives its engine."""
 
     def __init__(self, setup: OnlineSetup, target: StageRecord, layer_ids: list[int], hidden_size: int,
-                 engine_cpus: frozenset[int] | None) -> None:
-        self.get_engine = target_engine(online_target_config(setup.target_config), target, setup.load_log)
+                 engine_cpus: frozenset[int] | None, images: bool = False) -> None:
+        """`images`: the engine loads the vision tower (the extract stage's engine when its data held images)."""
+        self.get_engine = target_engine(online_target_config(setup.target_config), target, setup.load_log, images)
         self.layer_ids, self.hidden_size, self.engine_cpus = layer_ids, hidden_size, engine_cpus
         self.pinned: set[int] = set()
         self.tokens = 0  # captured so far (the train stage's progress shows it beside the steps)
@@ -219,14 +228,23 @@ class _EngineCapture:
         return engine
 
     def __call__(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        states = self._retry(lambda source: source.capture(prompts, self.layer_ids))  # per prompt [T, n_aux+1, H]
+        self.tokens += sum(len(s) for s in states)
+        return states
+
+    def capture_images(self, prompts: Sequence[Sequence[int]],
+                       images: Sequence[Sequence[str]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """eagle3.draft.online_data.ImageCapture: the engine loads the images and expands their placeholders."""
+        expanded, states = self._retry(lambda source: source.capture_images(prompts, images, self.layer_ids))
+        self.tokens += sum(len(s) for s in states)
+        return expanded, states
+
+    def _retry(self, capture: Callable[[object], object]) -> object:  # noqa: ANN401 - the capture's own answer
         from eagle3.capture.source import open_source
 
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
             try:
-                source = open_source("vllm", self._engine(), hidden_size=self.hidden_size, batch_tokens=1)
-                states = source.capture(prompts, self.layer_ids)  # per prompt [T, n_aux+1, H] float32
-                self.tokens += sum(len(p) for p in prompts)
-                return states
+                return capture(open_source("vllm", self._engine(), hidden_size=self.hidden_size, batch_tokens=1))
             except EngineGone as err:
                 if attempt == CAPTURE_ATTEMPTS:
                     raise

@@ -145,21 +145,18 @@ def target_engine(config: TargetConfig, target: StageRecord, load_log: Path, ima
     return lambda: engine_pool.acquire(spec, fp, keep, default_cache_dir(), run_dir=run_dir)
 
 
-def check_image_engine(config: TargetConfig, stage: str, endpoint: str | None = None, backend: str = "vllm",
-                       store_budget_gib: float | None = None) -> None:
+def check_image_engine(config: TargetConfig, stage: str, endpoint: str | None = None, backend: str = "vllm") -> None:
     """Data with images runs through a vLLM engine of ours, in this process or warm, with any TP size
     (eagle3.capture.source, eagle3.engine): DataError naming the setting otherwise, before any engine is reached."""
     problems = [f"{name}={value!r}" for name, value, bad in (
         ("regenerate.endpoint", endpoint, endpoint is not None),
         ("extract.backend", backend, backend != "vllm"),
         ("target.data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1 and stage == "extract"),
-        # train.data online/hybrid captures the prepared train samples during training, as text (no images)
-        ("extract.store_budget_gib (train.data online/hybrid)", store_budget_gib, store_budget_gib is not None),
     ) if bad]
     if problems:
         raise DataError(f"{stage}: the data holds images, which only our own vLLM engine takes (in this process or "
-                        f"warm, one engine), into a complete store; {', '.join(problems)} (expected regenerate.endpoint unset, "
-                        "extract.backend='vllm', target.data_parallel_size=1, train.data='store')")
+                        f"warm, one engine); {', '.join(problems)} (expected regenerate.endpoint unset, "
+                        "extract.backend='vllm', target.data_parallel_size=1)")
 
 
 def _load_hf(info: TargetInfo, config: TargetConfig, load_log: Path) -> object:
@@ -320,6 +317,7 @@ def online_extract_config(data: str, config: ExtractConfig) -> ExtractConfig:
     return config.model_copy(update={"store_budget_gib": 0.0}) if data == "online" else config
 
 
+TRAIN_LENGTHS_FILE = "train_lengths.json"  # online/hybrid with images: per train sample its tokens, images expanded
 ONLINE_KEEP_WARM_S = 60.0  # train.data online/hybrid: the least target.keep_warm_s (the engine must be a process)
 
 
@@ -340,14 +338,15 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
     splits = {split: conversations.read_samples(prepared.path / f"{split}.jsonl") for split in ("train", "heldout")}
     images = any(s.images for v in splits.values() for s in v)  # then the vision tower is loaded
     if images:
-        check_image_engine(target_config, "extract", backend=config.backend, store_budget_gib=config.store_budget_gib)
+        check_image_engine(target_config, "extract", backend=config.backend)
     spec = engine_spec(target_config, target, load_log, images)
     dtype = storage_dtype(config, target_config.dtype)
     if config.backend == "hf":  # small models, reference runs; loaded lazily like the engine
         get_engine = _once(lambda: _load_hf(info, target_config, load_log))
     else:
         get_engine = target_engine(target_config, target, load_log, images)  # the pool loads or attaches once per process
-    online = _keep_within_budget(config, target_config, info, splits, dtype)  # train.data online/hybrid
+    lengths = _train_lengths(config, target_config, info, splits["train"], get_engine)  # online/hybrid: images expanded
+    online = _keep_within_budget(config, target_config, info, splits, dtype, lengths)  # train.data online/hybrid
     shards = {split: -(-len(samples) // config.samples_per_shard) for split, samples in splits.items()}
     stats: dict[str, int | float | str] = {}
     engines_wrote: dict[str, int] | None = None
@@ -392,22 +391,46 @@ def run_extract(config: ExtractConfig, target_config: TargetConfig, prepared: St
         stats |= online | {"states_fingerprint": fingerprint_extract(config.model_copy(update={"store_budget_gib": None}),
                                                                       target_config, prepared, target),
                            "train_samples_file": str(prepared.path / "train.jsonl")}
+        if lengths is not None:  # the train split holds images: its lengths as the engine runs it (online_data)
+            atomic_write_text(final / TRAIN_LENGTHS_FILE, json.dumps(lengths))
+            stats["train_lengths_file"] = str(final / TRAIN_LENGTHS_FILE)
         if seconds_written:
             stats["capture_tokens_per_s"] = round(tokens_written / seconds_written, 1)
     return mark_complete(final, StageRecord(stage="extract", uri=str(final), fingerprint=fp, stats=stats))
 
 
+def _train_lengths(config: ExtractConfig, target_config: TargetConfig, info: TargetInfo, samples: list,
+                   get_engine: Callable[[], object]) -> list[int] | None:
+    """extract.store_budget_gib set (train.data online/hybrid) and train samples with images: per train sample the
+    tokens the engine runs, each image's placeholder expanded by vLLM's processor (asked without a forward), so the
+    budget, the trainer's micro-batches and the online buffer see the store's lengths; None otherwise."""
+    if config.store_budget_gib is None or not any(s.images for s in samples):
+        return None
+    check_inputs(samples, info.aux_layer_ids, info.num_layers, target_config.max_model_len, config.too_long)
+    imaged = [s for s in samples if s.images]
+    engine = get_engine()
+    expand = getattr(engine, "expand_images", None)  # a warm engine: its processor, in the engine process
+    if expand is None:
+        from eagle3.capture.vllm_images import expand_prompts
+
+        expand = lambda prompts, images: expand_prompts(engine, prompts, images)  # noqa: E731 - a vllm.LLM here
+    expanded = dict(zip((s.id for s in imaged), expand([s.input_ids for s in imaged], [list(s.images) for s in imaged]),
+                        strict=True))
+    return [len(expanded[s.id]) if s.images else len(s.input_ids) for s in samples]
+
+
 def _keep_within_budget(config: ExtractConfig, target_config: TargetConfig, info: TargetInfo, splits: dict,
-                        dtype: object) -> dict[str, int | float] | None:
+                        dtype: object, lengths: list[int] | None) -> dict[str, int | float] | None:
     """extract.store_budget_gib set (train.data online/hybrid): cut splits["train"] to the first samples whose states
-    fit; returns {"train_kept", "train_samples_total"} (None: the whole train split is stored)."""
+    fit (`lengths`: as the engine runs them, None: as prepared); returns {"train_kept", "train_samples_total"} (None:
+    the whole train split is stored)."""
     if config.store_budget_gib is None:
         return None
     from eagle3.draft.online_data import GIB, kept_samples
 
     checked = check_inputs(splits["train"], info.aux_layer_ids, info.num_layers, target_config.max_model_len, config.too_long)
-    kept = kept_samples([len(s.input_ids) for s in checked], int(config.store_budget_gib * GIB), len(info.aux_layer_ids) + 1,
-                        info.hidden_size, dtype)
+    kept = kept_samples(lengths or [len(s.input_ids) for s in checked], int(config.store_budget_gib * GIB),
+                        len(info.aux_layer_ids) + 1, info.hidden_size, dtype)
     total = len(splits["train"])
     splits["train"] = splits["train"][:kept]
     return {"train_kept": kept, "train_samples_total": total, "store_budget_gib": config.store_budget_gib}

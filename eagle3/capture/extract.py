@@ -199,20 +199,28 @@ def capture_images(source: object, batch: Sequence[TokenizedSample], layer_ids: 
 
 
 def expand_sample(sample: TokenizedSample, expanded: Sequence[int]) -> TokenizedSample:
-    """`sample` with the engine's ids `expanded` (its own ids with tokens inserted at its images): a position the
-    expansion added is never learned (mask 0), the others keep their mask entry."""
-    mask: list[int] = []
-    i = 0
-    for token in expanded:
-        if i < len(sample.input_ids) and token == sample.input_ids[i]:
-            mask.append(sample.loss_mask[i])
-            i += 1
-        else:
-            mask.append(0)
-    if i != len(sample.input_ids):
+    """`sample` with the engine's ids `expanded` (its own ids with tokens inserted at its images), its mask as
+    expanded_mask's."""
+    mask = expanded_mask(sample.input_ids, sample.loss_mask, expanded)
+    if mask is None:
         raise ExtractInputError(f"sample {sample.id!r}: the engine's ids for its images ({len(expanded)} tokens) do not "
                                 f"hold its own {len(sample.input_ids)} tokens in order; re-run prepare_data")
     return replace(sample, input_ids=list(expanded), loss_mask=mask)
+
+
+def expanded_mask(input_ids: Sequence[int], loss_mask: Sequence[int], expanded: Sequence[int]) -> list[int] | None:
+    """The loss mask of `expanded` (the engine's ids: `input_ids` with tokens inserted at its images): a position the
+    expansion added is never learned (0), the others keep their entry; None when `expanded` does not hold
+    `input_ids` in order."""
+    mask: list[int] = []
+    i = 0
+    for token in expanded:
+        if i < len(input_ids) and token == input_ids[i]:
+            mask.append(loss_mask[i])
+            i += 1
+        else:
+            mask.append(0)
+    return mask if i == len(input_ids) else None
 
 
 def shard_groups(samples: Sequence[TokenizedSample], samples_per_shard: int) -> list[list[str]]:

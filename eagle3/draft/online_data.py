@@ -19,8 +19,16 @@ is refused before any load: check_buffer). A consumer waiting for a shard never 
 producer: shards are written in the order the loader reads them, and every shard on disk is ahead
 of the loader, so each read frees room.
 
+Samples with images (eagle3.data.images): an OnlineSample carries its image URLs as prepared and the number
+of tokens the engine runs for it (each image's placeholder expanded by vLLM's processor; the extract stage
+measured it without a forward, so the trainer plans its micro-batches, and the buffer its shards, on the
+store's lengths). The producer sends such a micro-batch through `ImageCapture` (the engine loads the images
+and expands the placeholders, as extract does) and writes the expanded ids, their states and a loss mask that
+is 0 at every image position, cut to train.batch_tokens as the store's reader cuts: the shard a store would
+hold. An engine that runs a different number of tokens than measured is an error (run extract again).
+
 What a trainer process needs from the engine is a single callable, `Capture` (prompts -> per prompt
-[T, n_aux+1, H]); the stage builds it around the warm engine (eagle3.draft_stages), `SourceCapture`
+[T, n_aux+1, H]), and for images `ImageCapture`; the stage builds it around the warm engine (eagle3.draft_stages), `SourceCapture`
 wraps an in-process source (the HF backend: benchmarks/online_vs_store.py, tests), tests may give
 any function. online.producer 'remote': a capture worker in another process or on another machine writes the
 shards instead, and the trainer only reads them (eagle3.draft.online_remote). Data-parallel trainers: refused
@@ -44,6 +52,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from eagle3.capture.extract import expanded_mask
 from eagle3.capture.source import HiddenStateSource
 from eagle3.capture.store import FP8, StoreReader, encode_states, write_safetensors
 from eagle3.draft.batches import next_batch_indices
@@ -51,6 +60,8 @@ from eagle3.draft.batches import next_batch_indices
 log = logging.getLogger(__name__)
 
 Capture = Callable[[Sequence[Sequence[int]]], list[torch.Tensor]]  # prompts -> per prompt [T_i, n_aux+1, H]
+# (prompts as prepared, per prompt its image URLs) -> (per prompt the ids the engine ran, its states [T_i, n_aux+1, H])
+ImageCapture = Callable[[Sequence[Sequence[int]], Sequence[Sequence[str]]], tuple[list[list[int]], list[torch.Tensor]]]
 HEADER_ALLOWANCE = 4096  # bytes a shard's safetensors header may take beyond its tensors (per sample: ~200)
 GIB = 1 << 30
 
@@ -65,6 +76,13 @@ class OnlineSample:
 
     input_ids: list[int]
     loss_mask: list[int]
+    images: tuple[str, ...] = ()  # its image URLs as prepared, in placeholder order (the engine loads them)
+    length: int | None = None  # tokens the engine runs, images expanded (the extract stage's measure); None: no images
+
+    @property
+    def tokens(self) -> int:
+        """The sample's length in the store: its ids with every image's placeholder expanded."""
+        return len(self.input_ids) if self.length is None else self.length
 
 
 class SourceCapture:
@@ -107,6 +125,7 @@ class OnlineData:
     storage_dtype: torch.dtype
     producer: Literal["local", "remote"] = "local"  # remote: a capture worker writes the shards (online_remote)
     remote_wait_s: float = 600.0  # remote: the longest wait for one shard
+    capture_images: ImageCapture | None = None  # samples with images: the engine loads them and expands placeholders
 
 
 def row_bytes(n_states: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -250,17 +269,44 @@ class OnlineFeed:
             return not self.closed
 
     def _write(self, k: int, need: list[int]) -> dict[int, tuple[str, int]]:
-        prompts = [self.data.samples[i].input_ids[: self.batch_tokens] for i in need]
+        samples = [self.data.samples[i] for i in need]
         started = time.monotonic()
-        states = self.data.capture(prompts)  # per prompt [T_i, n_aux+1, H]
+        if any(s.images for s in samples):
+            prompts, masks, states = capture_with_images(self.data.capture_images, need, samples, self.batch_tokens)
+        else:
+            prompts, masks = [s.input_ids[: self.batch_tokens] for s in samples], [s.loss_mask for s in samples]
+            states = self.data.capture(prompts)  # per prompt [T_i, n_aux+1, H]
         self.capture_seconds += time.monotonic() - started
         final = self.folder / _shard(k)
-        size = write_shard(final, need, prompts, [self.data.samples[i].loss_mask for i in need], states, self.n_states,
-                           self.data.hidden_size, self.data.storage_dtype)
+        size = write_shard(final, need, prompts, masks, states, self.n_states, self.data.hidden_size,
+                           self.data.storage_dtype)
         with self.cond:
             self.sizes[k] = size  # the true size (the reservation was an upper bound)
         self.tokens_captured += sum(len(p) for p in prompts)
         return {i: (str(final), j) for j, i in enumerate(need)}
+
+
+def capture_with_images(capture: ImageCapture | None, need: Sequence[int], samples: Sequence[OnlineSample],
+                        batch_tokens: int) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """(ids, loss masks, states [T_i, n_aux+1, H]) per sample as the store holds them, cut to `batch_tokens` as the
+    store's reader cuts: a sample with images is sent whole with its URLs and comes back expanded (mask 0 at each
+    image position); a text one is sent cut. OnlineDataError when the engine's length differs from the measured one."""
+    if capture is None:
+        raise OnlineDataError(f"samples {list(need)[:10]} hold images, and this capture takes text only; images are "
+                              "captured by the run's own vLLM engine (online.producer='local')")
+    prompts = [s.input_ids if s.images else s.input_ids[:batch_tokens] for s in samples]
+    expanded, states = capture(prompts, [list(s.images) for s in samples])  # ids as run; per prompt [T_i, n, H]
+    ids, masks, cut = [], [], []
+    for i, s, prompt, run, st in zip(need, samples, prompts, expanded, states, strict=True):
+        mask = expanded_mask(s.input_ids, s.loss_mask, run) if s.images else list(s.loss_mask)
+        if mask is None or len(run) != (s.tokens if s.images else len(prompt)):
+            raise OnlineDataError(f"sample {i}: the engine ran {len(run)} tokens for its images, the extract stage "
+                                  f"measured {s.tokens} (its own ids in order: {mask is not None}); the target or its "
+                                  "processor changed since: run the extract stage again")
+        ids.append(list(run[:batch_tokens]))
+        masks.append(mask[:batch_tokens])
+        cut.append(st[:batch_tokens])  # [min(T_i, batch_tokens), n, H]: causal, so the cut equals a capture of the cut
+    return ids, masks, cut
 
 
 def write_shard(final: Path, need: Sequence[int], prompts: Sequence[Sequence[int]], masks: Sequence[Sequence[int]],

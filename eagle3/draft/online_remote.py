@@ -108,7 +108,7 @@ class RemoteFeed:
             found = {int(i): (str(path), j) for j, i in enumerate(ids)}
             with self.lock:  # the loader threads read side by side
                 self.peak_bytes = max(self.peak_bytes, on_disk)
-                self.tokens_captured += sum(min(len(self.data.samples[i].input_ids), self.batch_tokens) for i in need)
+                self.tokens_captured += sum(min(self.data.samples[i].tokens, self.batch_tokens) for i in need)
         missing = [i for i in indices if i not in found and i not in self.kept_locations]
         if missing:
             raise OnlineDataError(f"micro-batch {k}: samples {missing[:10]} are not in {self.folder / shard_name(self.stream, k)} "

@@ -112,7 +112,7 @@ class _Layout:
             self.lengths = [shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in self.locations]
         else:  # online/hybrid: the feed says where each micro-batch's samples are once captured
             self.aux_layer_ids, self.hidden_size = list(online.aux_layer_ids), online.hidden_size
-            self.locations, self.lengths = [], [len(s.input_ids) for s in online.samples]
+            self.locations, self.lengths = [], [s.tokens for s in online.samples]  # images expanded
 
     def __len__(self) -> int:
         return len(self.lengths)

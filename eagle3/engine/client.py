@@ -135,6 +135,10 @@ class WarmEngine:
         """(the ids the engine ran per prompt, its images' placeholders expanded; states as capture's)."""
         return self._capture(("capture_images", [list(p) for p in prompts], host_urls(images)), layer_ids, hidden_size)
 
+    def expand_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]]) -> list[list[int]]:
+        """The ids the engine would run per prompt, its images' placeholders expanded by vLLM's processor (no forward)."""
+        return self._request(("expand_images", [list(p) for p in prompts], host_urls(images)))
+
     def _capture(self, head: tuple, layer_ids: Sequence[int],
                  hidden_size: int) -> tuple[list[list[int]] | None, list[torch.Tensor]]:
         """`head`: the request's kind and prompts (and images); (capture_images' expanded ids or None, the states)."""

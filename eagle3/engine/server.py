@@ -23,6 +23,8 @@ while a request runs sends ("alive",) every HEARTBEAT_S and ("progress", n) as a
     ("capture_images", prompts, images, layer_ids, hidden_size, path)
                                                            -> (the ids the engine ran per prompt, lengths);
                                                                the states as capture's
+    ("expand_images", prompts, images)                     -> the ids the engine would run per prompt
+                                                               (vLLM's processor only, no forward)
 
 Images: `images` is, per prompt, the URLs of its images (file:///abs/path or data:image/...;base64), as the
 data gives them; the engine runs on the client's host and loads them itself with eagle3.data.images, exactly
@@ -228,10 +230,15 @@ class EngineServer:
             return self._capture(*args)
         if kind == "capture_images":
             return self._capture_images(*args)
+        if kind == "expand_images":  # the processor only: no forward (train.data online/hybrid plans on these lengths)
+            from eagle3.capture.vllm_images import expand_prompts
+
+            return expand_prompts(self.llm, *args)
         if kind == "release":
             self.stopping = self.stopping or bool(args[0])
             return None
-        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, capture, capture_images, sleep or release")
+        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, capture, capture_images, expand_images, "
+                         "sleep or release")
 
     def _sleep(self, level: int) -> None:
         """vLLM sleep mode (GPU only; the engine was loaded with enable_sleep_mode): level 1 moves the weights to
