@@ -122,9 +122,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
             raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
                              "passes them (run_train(online=OnlineSetup(...)))")
         with online_data(config, online, target, extracted, root, fp, say) as data, trainer_on_gpu(config.devices):
-            both = None if progress is None else (  # steps trained and tokens the engine captured so far
-                lambda step, total, loss: progress(step, total, loss, getattr(data.capture, "tokens", 0)))
-            result = train_draft(config, out_dir=final, progress=both, online=data, **paths)
+            result = train_draft(config, out_dir=final, progress=progress, online=data, **paths)  # + tokens captured
     elif processes > 1 or config.nnodes > 1:
         result = train_distributed(config, processes, out_dir=final, progress=progress, **paths)
     else:

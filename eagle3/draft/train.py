@@ -381,7 +381,7 @@ def train_draft(
     head_path: Path,
     vocab_path: Path,
     out_dir: Path,
-    progress: Callable[[int, int, float], None] | None = None,
+    progress: Callable[..., None] | None = None,
     stop_after: int | None = None,
     heldout_store_dir: Path | None = None,
     init_from: Path | None = None,
@@ -389,6 +389,8 @@ def train_draft(
 ) -> TrainResult:
     """Train (or resume training) the draft; checkpoints, losses.jsonl and evals.jsonl go under out_dir.
 
+    `progress(step, steps, loss)` after every step; with `online`, `progress(step, steps, loss, tokens captured so
+    far)` (by this process's producer or, online.producer='remote', by the workers whose shards it read).
     `stop_after` ends the call once the trajectory reaches that step, writing no extra
     checkpoint: it behaves like an interruption (tests use it to check resume).
     `heldout_store_dir`: score every checkpoint by simulated acceptance there (see the module docstring).
@@ -421,7 +423,7 @@ def _online_stats(run: _Run) -> dict[str, float]:
             "buffer_peak_bytes": max(f["buffer_peak_bytes"] for f in figures)}
 
 
-def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[[int, int, float], None] | None,
+def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[..., None] | None,
           stop_after: int | None, heldout: Path | None, head_path: Path, target_dir: Path) -> TrainResult:
     config, main = run.config, run.ctx.is_main
     history, evals = _read_jsonl(out_dir / LOSSES, run.step), _read_jsonl(out_dir / EVALS, run.step)
@@ -451,8 +453,9 @@ def _loop(run: _Run, out_dir: Path, resumed: int | None, progress: Callable[[int
                 history.append(entry)
                 losses_file.write(json.dumps(entry) + "\n")
                 losses_file.flush()
-                if progress is not None:
-                    progress(run.step, config.steps, loss)
+                if progress is not None:  # online: and the tokens captured so far, whichever producer captured them
+                    progress(run.step, config.steps, loss,
+                             *([_online_stats(run).get("tokens_captured", 0)] if run.online is not None else []))
                 if run.step % config.checkpoint_every == 0 or run.step == config.steps:
                     best = best_eval(evals)
                     if main:

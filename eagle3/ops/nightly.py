@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import date
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagle3.config import (
     ConfigError,
@@ -49,6 +49,17 @@ class NightlyConfig(BaseModel):
         default=True, description="Start training from the served draft's weights (and keep its vocabulary)"
     )
     publish: PublishConfig = Field(default_factory=PublishConfig, description="Registry and promotion gate")
+
+    @model_validator(mode="after")
+    def _store_training_only(self) -> NightlyConfig:
+        """The nightly run trains on the incremental store of its dated files (eagle3.ops.incremental); the online
+        feed (train.data online/hybrid) is built for train-eagle3 runs only. Refused here, before anything loads,
+        rather than at the train stage after every file was extracted."""
+        if self.pipeline.train.data != "store":
+            raise ValueError(f"pipeline.train.data={self.pipeline.train.data!r}: the nightly run trains from the store "
+                             "its dated files were extracted into; set pipeline.train.data='store' (online and hybrid "
+                             "training are for train-eagle3 runs)")
+        return self
 
     @property
     def run_date(self) -> date:

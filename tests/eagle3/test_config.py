@@ -74,3 +74,14 @@ def test_a_bad_setting_in_a_yaml_file_names_its_line_unless_set_replaces_it(tmp_
 def test_a_set_value_that_is_not_yaml_is_an_error_not_a_traceback():
     with pytest.raises(ConfigError, match=r"--set 'train.steps=\{': the value is not valid YAML"):
         parse_set(["train.steps={"])
+
+
+def test_nightly_refuses_online_training_at_config_read():
+    """`eagle3 nightly --set pipeline.train.data=online` would otherwise extract every dated file and only fail at
+    the train stage (the nightly run trains from its incremental store): refused when the settings are read."""
+    from eagle3.ops.nightly import build_nightly_config
+
+    for data in ("online", "hybrid"):
+        with pytest.raises(ConfigError, match=rf"pipeline\.train\.data='{data}'.*set pipeline\.train\.data='store'"):
+            build_nightly_config("tiny", overrides=[f"pipeline.train.data={data}"])
+    assert build_nightly_config("tiny").pipeline.train.data == "store"

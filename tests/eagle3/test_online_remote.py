@@ -101,7 +101,10 @@ def test_a_worker_killed_mid_epoch_and_started_again_completes_the_run_with_the_
     workers = [_worker(buffer)]
     killed_at: list[int] = []
 
-    def progress(step: int, _total: int, _loss: float) -> None:
+    captured: list[int] = []
+
+    def progress(step: int, _total: int, _loss: float, tokens: int) -> None:
+        captured.append(tokens)  # what the train stage's progress shows beside the steps
         if step == 3 and not killed_at:  # inside the first epoch (5 micro-batches of 8 samples)
             workers[0].send_signal(signal.SIGKILL)
             workers[0].wait()
@@ -115,6 +118,7 @@ def test_a_worker_killed_mid_epoch_and_started_again_completes_the_run_with_the_
     assert killed_at == [3] and workers[0].returncode == -signal.SIGKILL
     assert workers[-1].returncode == 0, out[-3000:]
     assert int(out.split("online-capture: done, ")[1].split()[0]) > 0  # the second worker captured the rest
+    assert 0 < captured[0] <= captured[-1] == result.online["tokens_captured"]  # the workers' tokens, not 0
     assert max(abs(a - b) for a, b in zip(result.losses, local_losses, strict=True)) <= 1e-5
     assert not buffer.exists()
 
