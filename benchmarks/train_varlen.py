@@ -14,6 +14,7 @@ varying-length steps (self CPU and self CUDA time). `--alloc-conf` runs the rows
 PYTORCH_CUDA_ALLOC_CONF set (it must be set before CUDA starts).
 
     python benchmarks/train_varlen.py                                   # GPU
+    python benchmarks/train_varlen.py --cudnn --modes eager             # as before 2026-12-03 (cuDNN attention)
     python benchmarks/train_varlen.py --alloc-conf expandable_segments:True
     python benchmarks/train_varlen.py --tiny                            # CPU smoke check (seconds)
 """
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import SHAPE_8B, SHAPE_TINY, _sync, write_target  # noqa: E402
 
 from eagle3.capture.store import Sample  # noqa: E402
+from eagle3.draft import ttt_attention  # noqa: E402
 from eagle3.draft.batches import MicroBatch, pack  # noqa: E402
 from eagle3.draft.loss import EAGER, batch_loss, compiled_kernels  # noqa: E402
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
@@ -125,7 +127,11 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--alloc-conf", help="also run the rows in a child with PYTORCH_CUDA_ALLOC_CONF=this")
     parser.add_argument("--root", default="/tmp/train-varlen")
+    parser.add_argument("--cudnn", action="store_true", help="let the draft's attention use cuDNN's SDPA too (what "
+                        "the trainer did before 2026-12-03: a new execution plan for every new length)")
     args = parser.parse_args()
+    if args.cudnn:
+        ttt_attention.SDPA_BACKENDS.insert(0, SDPBackend.CUDNN_ATTENTION)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     s, ttt = dict(SHAPE_TINY if args.tiny else SHAPE_8B), 3
     target, head_file, _ = write_target(Path(args.root), s, device)
@@ -133,7 +139,8 @@ def main() -> None:
     full = load_target_head(head_file, read_target_config(target))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = TargetHead(full.embed, full.norm_weight, full.norm_eps, full.lm_head[: s["draft_vocab"]]).to(dtype, device)
-    print(f"device {device}, torch {torch.__version__}, PYTORCH_CUDA_ALLOC_CONF="
+    print(f"device {device}, torch {torch.__version__}, SDPA backends "
+          f"{[b.name for b in ttt_attention.SDPA_BACKENDS]}, PYTORCH_CUDA_ALLOC_CONF="
           f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}, {args.steps} timed micro-batches a row", flush=True)
     warmup = 6
     for mode in args.modes.split(","):
@@ -161,7 +168,7 @@ def main() -> None:
     if args.alloc_conf:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=args.alloc_conf)
         argv = ["--steps", str(args.steps), "--bucket", str(args.bucket), "--modes", args.modes, "--root", args.root,
-                "--no-profile"] + (["--tiny"] if args.tiny else [])
+                "--no-profile"] + (["--tiny"] if args.tiny else []) + (["--cudnn"] if args.cudnn else [])
         subprocess.run([sys.executable, __file__, *argv], env=env, check=False)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def ttt_attention_mask(doc_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -220,16 +221,25 @@ def _block_attention_varlen(q: torch.Tensor, sink_score: torch.Tensor | None, do
     return out[rows, :, : hd + 1].transpose(0, 1)  # [heads, L, hd+1]
 
 
+# The SDPA kernels the draft's attention may use: every one but cuDNN's. torch (2.5+) prefers cuDNN attention on
+# Hopper, and cuDNN builds an execution plan for every new sequence length it sees (tens of ms each, forward and
+# backward). Training samples of varying length meet a new length nearly every micro-batch: on an H200 that made the
+# trainer ~10x slower per token than on samples of one length (benchmarks/train_varlen.py). Flash and
+# memory-efficient attention take any length at no per-shape cost.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
 ) -> torch.Tensor:
     """[heads, Lq, d] x [heads, Lk, d] -> [heads, Lq, d]; causal when `mask` is None.
 
     A batch dimension of 1: the fused CUDA kernels want 4-D inputs; without it SDPA falls
-    back to its fp32 math path.
+    back to its fp32 math path. SDPA_BACKENDS says which kernels (not cuDNN's, and why).
     """
-    out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None], is_causal=mask is None,
-        scale=scale,
-    )
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None], is_causal=mask is None,
+            scale=scale,
+        )
     return out[0]

@@ -81,7 +81,7 @@ def test_nightly_refuses_online_training_at_config_read():
     the train stage (the nightly run trains from its incremental store): refused when the settings are read."""
     from eagle3.ops.nightly import build_nightly_config
 
-    for data in ("online", "hybrid"):
-        with pytest.raises(ConfigError, match=rf"pipeline\.train\.data='{data}'.*set pipeline\.train\.data='store'"):
-            build_nightly_config("tiny", overrides=[f"pipeline.train.data={data}"])
+    for data in (["online"], ["hybrid", "pipeline.extract.store_budget_gib=1"]):
+        with pytest.raises(ConfigError, match=rf"pipeline\.train\.data='{data[0]}'.*set pipeline\.train\.data='store'"):
+            build_nightly_config("tiny", overrides=[f"pipeline.train.data={data[0]}", *data[1:]])
     assert build_nightly_config("tiny").pipeline.train.data == "store"
