@@ -68,17 +68,21 @@ HEARTBEAT_SECONDS = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY for workers' flow ru
 ZOMBIE_AUTOMATION = "eagle3: crash flow runs whose heartbeats stopped"
 
 
-def ensure_zombie_automation(window_s: int = 2 * HEARTBEAT_SECONDS) -> None:
+def ensure_zombie_automation(window_s: int = 2 * HEARTBEAT_SECONDS, timeout_s: float = 60) -> None:
     """Prefect's own recipe for flow runs whose machine died: a run that sent a heartbeat and then neither
     another one nor a final state within `window_s` is set Crashed by the server. A fanned-out part's
     parent (tasks.parts.run_part) then starts the part again, on a worker that is alive. Needs the
-    workers to send heartbeats: start them with PREFECT_FLOWS_HEARTBEAT_FREQUENCY set (docs/several-machines.md)."""
+    workers to send heartbeats: start them with PREFECT_FLOWS_HEARTBEAT_FREQUENCY set (docs/several-machines.md).
+    A server that does not answer within `timeout_s` is a DeployError that says what to do."""
     from datetime import timedelta
+
+    import httpx
 
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
     finished = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
     automation = Automation(
@@ -89,10 +93,31 @@ def ensure_zombie_automation(window_s: int = 2 * HEARTBEAT_SECONDS) -> None:
         actions=[ChangeFlowRunState(state=StateType.CRASHED,
                                     message=f"no heartbeat for {window_s} s: its worker or machine is gone")],
     )
+    api_url = PREFECT_API_URL.value()
+    try:  # one attempt, bounded: a server that hangs here hangs for good (flows.prefect_server), retrying waits 6 times
+        with temporary_settings(updates={PREFECT_API_REQUEST_TIMEOUT: timeout_s, PREFECT_CLIENT_MAX_RETRIES: 0}):
+            try:
+                Automation.read(name=ZOMBIE_AUTOMATION)
+            except ValueError:  # not there yet
+                automation.create()
+    except httpx.TimeoutException:
+        raise DeployError(_no_answer(api_url, timeout_s)) from None
+
+
+def _no_answer(api_url: str | None, timeout_s: float) -> str:
+    """What to tell the user when the server took longer than `timeout_s` over the zombie automation."""
+    import urllib.request
+
     try:
-        Automation.read(name=ZOMBIE_AUTOMATION)
-    except ValueError:  # not there yet
-        automation.create()
+        urllib.request.urlopen(f"{api_url}/health", timeout=5)
+    except OSError:
+        return (f"the Prefect server at {api_url} stopped answering (not even /health) while eagle3 set up its automation "
+                f"{ZOMBIE_AUTOMATION!r}: Prefect 3.7 servers on SQLite can deadlock when an automation is created "
+                f"(PrefectHQ/prefect#23055, fixed in Prefect 3.8; eagle3 pins 3.7.7 for vLLM's fastapi). The automation "
+                f"is saved before the hang: restart that server, then run `eagle3 deploy` again (servers started by "
+                f"`eagle3 serve` carry the fix)")
+    return (f"the Prefect server at {api_url} took more than {timeout_s:.0f} s over eagle3's automation "
+            f"{ZOMBIE_AUTOMATION!r} but still answers /health: it is overloaded; run `eagle3 deploy` again")
 
 
 def deploy(settings: DeploySettings, api_url: str | None = None) -> None:
@@ -145,7 +170,8 @@ def serve(settings: DeploySettings, *, host: str = "127.0.0.1", port: int = 4200
             # The UI asks the API at PREFECT_UI_API_URL, which otherwise stays at the default port 4200.
             # Concurrency leases on disk (flows.local_server): a restarted server still knows who holds the gpu slot.
             server_env = local_server.server_env(env | {"PREFECT_UI_API_URL": api_url, "PREFECT_UI_URL": api_url.removesuffix("/api")})
-            server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
+            # flows.prefect_server: `prefect server start` with the fix of a Prefect 3.7 deadlock on automations
+            server = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", host, "--port", str(port)],
                                       env=server_env, stdout=open(log_dir / "server.log", "a"), stderr=subprocess.STDOUT,
                                       start_new_session=True)
             children.append(("server", server, signal.SIGTERM, 20))

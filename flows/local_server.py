@@ -10,7 +10,7 @@ every `eagle3 run`. Two things made that unsafe for the `gpu` slot (issue 13):
   not run the repossessor service that frees expired leases.
 
 So the CLI starts its own temporary server instead (`start_temporary_server`): a full Prefect API
-(uvicorn on `prefect.server.api.server:create_app`, every background service, the repossessor
+(uvicorn on `prefect.server.api.server:create_app`, with flows.prefect_server's fix, every background service, the repossessor
 included; no UI) on a free 127.0.0.1 port, in a session of its own (Ctrl-C in the terminal does
 not reach it; the CLI stops it after the flow has given the slot back), which the kernel stops
 when the CLI dies (PR_SET_PDEATHSIG, so a SIGKILLed run leaves no server behind). Every server
@@ -128,7 +128,7 @@ def start_temporary_server(log: Path, timeout: float = 120) -> str:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+            [sys.executable, "-m", "uvicorn", "--factory", "flows.prefect_server:create_app", "--host", "127.0.0.1",
              "--port", str(port), "--log-level", "error", "--lifespan", "on"],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent,

@@ -1,5 +1,7 @@
 """A real `prefect server start` on 127.0.0.1 shared by the CLI tests (each CLI process would
-otherwise start its own temporary server, ~15 s each), and a helper to run the CLI."""
+otherwise start its own temporary server, ~15 s each), and a helper to run the CLI. It is started
+as `eagle3 serve` starts its server (flows.prefect_server: Prefect's CLI with the fix of a Prefect
+3.7 deadlock on automations, which froze this server for the rest of a CI run on 2026-12-03)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def prefect_server(tmp_path_factory) -> str:
     env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                         "PREFECT_UI_ENABLED": "false"}
     log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.time() + 120

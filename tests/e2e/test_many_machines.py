@@ -104,11 +104,30 @@ class Worker:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        self.started = datetime.now(timezone.utc)
         log = open(self.folder / "worker.log", "a")
         self.proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "gpu", "--type",
                                       "process", "--limit", "1", "--name", f"worker-{self.name}"],
                                      cwd=self.folder, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+
+    def wait_polling(self, timeout: float = 180) -> None:
+        """Until the server has this worker's heartbeat from after its start: it polls the pool. A worker restarted
+        for the next test takes 10 to 40 s to boot on two busy cores; a test of side-by-side runs must wait for it."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        deadline = time.time() + timeout
+        while True:
+            with temporary_settings(updates={PREFECT_API_URL: self.env["PREFECT_API_URL"]}), \
+                    get_client(sync_client=True) as client:
+                beats = [w.last_heartbeat_time for w in client.read_workers_for_work_pool("gpu")
+                         if w.name == f"worker-{self.name}" and w.last_heartbeat_time]
+            if beats and max(beats) >= self.started:
+                return
+            assert self.proc.poll() is None and time.time() < deadline, \
+                f"worker {self.name} is not polling: {(self.folder / 'worker.log').read_text()[-2000:]}"
+            time.sleep(0.5)
 
     def kill(self) -> None:  # the machine dies: the worker, its flow run and the engine under it
         if self.proc is not None and self.proc.poll() is None:
@@ -297,6 +316,8 @@ def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_ca
     import json
 
     env, _, workers = cluster
+    for worker in workers.values():  # the previous test restarted one: both must poll before the points can overlap
+        worker.wait_polling()
     url = f"s3://{BUCKET}/sweep"
     # 150 steps: a chain of some 15 s of work, longer than a worker's poll (2 s here), so that the two overlap
     settings = TINY + [f"artifact_root={url}", "train.steps=150", "train.checkpoint_every=75"]
