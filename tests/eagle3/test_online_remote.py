@@ -118,7 +118,10 @@ def test_a_worker_killed_mid_epoch_and_started_again_completes_the_run_with_the_
     assert killed_at == [3] and workers[0].returncode == -signal.SIGKILL
     assert workers[-1].returncode == 0, out[-3000:]
     assert int(out.split("online-capture: done, ")[1].split()[0]) > 0  # the second worker captured the rest
-    assert 0 < captured[0] <= captured[-1] == result.online["tokens_captured"]  # the workers' tokens, not 0
+    # the workers' tokens, not 0, growing; the run's total can end above the last step's figure: a loader thread
+    # reads the next micro-batch's shard (already captured) while the last step trains
+    assert 0 < captured[0] and captured == sorted(captured)
+    assert captured[-1] <= result.online["tokens_captured"]
     assert max(abs(a - b) for a, b in zip(result.losses, local_losses, strict=True)) <= 1e-5
     assert not buffer.exists()
 
