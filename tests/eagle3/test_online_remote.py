@@ -146,9 +146,13 @@ print("resumed from step", result.resumed_from_step)
 
 
 def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_with_the_same_worker_and_losses(local_losses, tmp_path):
-    """The trainer is a process too: SIGKILL after step 6 (the last checkpoint at step 4), the same command again; the
-    worker that kept running serves the new stream from the trainer's recorded cursor."""
+    """The trainer is a process too: SIGKILL after step 6 (checkpoints every 4 steps), the same command again: it resumes
+    from the newest checkpoint the killed process left, and the worker that kept running serves the new stream from the
+    trainer's recorded cursor. A tiny step takes 20-50 ms, so the kill can land after step 8's checkpoint too: the test
+    reads which checkpoint the kill left rather than assuming step 4."""
     import json
+
+    from eagle3.draft.checkpoint import latest_valid_checkpoint
 
     world, buffer, out = tiny_world(), tmp_path / "buffer", tmp_path / "out"
     command = [sys.executable, "-c", TRAINER, str(world.train_store), str(world.target_dir), str(world.head_path),
@@ -161,13 +165,15 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_with_the_same_work
         deadline = time.monotonic() + 300
         while not (losses.is_file() and len(losses.read_text().splitlines()) >= 6):
             assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0][-3000:]
-            time.sleep(0.05)
+            time.sleep(0.002)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         assert (buffer / "cursor.json").is_file() and worker.poll() is None  # the worker waits for the next stream
+        left = latest_valid_checkpoint(out / "checkpoints")
+        assert left is not None and 4 <= left.step < STEPS, left  # killed mid-run, after a checkpoint
         again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-        assert "resumed from step 4" in again.stdout  # its checkpoint, not a fresh start
+        assert f"resumed from step {left.step}\n" in again.stdout  # that checkpoint, not a fresh start
     finally:
         printed, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, printed[-3000:]
