@@ -5,6 +5,7 @@ and a worker killed mid-epoch and started again completes the run with the same 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import torch
 
 from eagle3.capture.hf_source import HFSource, load_hf_target
 from eagle3.capture.store import StoreReader
+from eagle3.draft.checkpoint import latest_valid_checkpoint
 from eagle3.draft.online_data import OnlineData, OnlineDataError, OnlineSample, SourceCapture, shard_bytes
 from eagle3.draft.online_remote import buffer_bytes_on_disk
 from eagle3.draft.train import TrainConfig, train_draft
@@ -150,10 +152,6 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_with_the_same_work
     from the newest checkpoint the killed process left, and the worker that kept running serves the new stream from the
     trainer's recorded cursor. A tiny step takes 20-50 ms, so the kill can land after step 8's checkpoint too: the test
     reads which checkpoint the kill left rather than assuming step 4."""
-    import json
-
-    from eagle3.draft.checkpoint import latest_valid_checkpoint
-
     world, buffer, out = tiny_world(), tmp_path / "buffer", tmp_path / "out"
     command = [sys.executable, "-c", TRAINER, str(world.train_store), str(world.target_dir), str(world.head_path),
                str(world.vocab_path), str(out), str(buffer), str(ONE_SHARD)]
