@@ -18,4 +18,5 @@ run "position-weighted loss (decay 0.8)" --ttt-loss-decay 0.8
 run "baseline (the README's recipe)"
 run "deeper TTT with more epochs (5 steps, 12 epochs)" --ttt-steps 5 --epochs 12
 run "more epochs alone (TTT 3, 12 epochs): the control of the row above" --epochs 12
+run "data mixing: the corpus's own answers to the same prompts beside the target's (a second source)" --mix-original
 echo "## done $(date -u +%H:%M) UTC" >> "$log"

@@ -26,12 +26,14 @@ stages, cached under --root), for each number of training samples N:
     python benchmarks/quality.py --samples 500 --epochs 9 --ttt-steps 5   # a recipe of ours (speculators: ttt 3, lr 1e-3)
     python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators   # train.optimizer=muon
     python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators --compare-last   # best vs last
+    python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators --mix-original   # data mixing
     benchmarks/levers.sh   # issue 31's levers, one after another over the same cached data
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -63,10 +65,12 @@ BATCH_TOKENS = 2048
 LR = 1e-3
 
 
-def prepare(root: Path, max_samples: int, tiny: bool) -> tuple[object, object, object, object]:
-    """Run the data stages of the pipeline (cached): target, regenerated answers, prepared data, states."""
+def prepare(root: Path, max_samples: int, tiny: bool, regenerate: bool = True) -> tuple[object, object, object, object]:
+    """Run the data stages of the pipeline (cached): target, regenerated answers, prepared data, states.
+    regenerate=False: the corpus's own answers (regenerate.enabled=false), the same prompts and held-out split."""
     preset = "tiny" if tiny else "demo"
-    config = build_config(preset, overrides=[f"data.max_samples={max_samples}", "data.heldout_fraction=0.1"],
+    overrides = [f"data.max_samples={max_samples}", "data.heldout_fraction=0.1"]
+    config = build_config(preset, overrides=overrides + ([] if regenerate else ["regenerate.enabled=false"]),
                           run_dir=str(root))
     art, log = root / "artifacts", root / "logs" / "target_loads.jsonl"
     target = stages.run_stage_target(config.target, config.builtin_cache, art, stages.fingerprint_target(config.target))
@@ -81,18 +85,30 @@ def prepare(root: Path, max_samples: int, tiny: bool) -> tuple[object, object, o
     return config, target, prepared, extracted
 
 
-def subset_store(full: Path, out: Path, count: int, per_shard: int = 32) -> Path:
-    """The first `count` samples of a store, as a store of its own."""
-    reader = StoreReader(full, dequantize_dtype=torch.float32)
-    count = min(count, len(reader))
-    ids = [reader[i].sample_id for i in range(count)]
-    groups = [ids[i : i + per_shard] for i in range(0, count, per_shard)]
-    dtype = getattr(torch, reader.dtype)
-    writer = StoreWriter(out, aux_layer_ids=reader.aux_layer_ids, hidden_size=reader.hidden_size, dtype=dtype,
-                         expected_shards=groups)
+def subset_store(parts: list[tuple[Path, int | set[str], str | None]], out: Path, per_shard: int = 32) -> Path:
+    """The samples of each (store, which, source) part, in that order, as a store of its own: `which` is a count (the
+    first ones) or a set of sample ids. A part with a source label has its samples renamed `label:id` and carries that
+    source (two parts may hold the same id)."""
+    picked = []
+    for full, which, label in parts:
+        reader = StoreReader(full, dequantize_dtype=torch.float32)
+        names = [sid for entry in reader.shards for sid in entry.sample_ids]
+        keep = range(min(which, len(names))) if isinstance(which, int) else [i for i, n in enumerate(names) if n in which]
+        picked += [(reader, i, names[i] if label is None else f"{label}:{names[i]}", label) for i in keep]
+    ids = [name for _, _, name, _ in picked]
+
+    def sample(at: int):
+        reader, i, name, label = picked[at]
+        one = reader[i]
+        return one if label is None else dataclasses.replace(one, sample_id=name, source=label)
+
+    groups = [ids[i : i + per_shard] for i in range(0, len(ids), per_shard)]
+    first = picked[0][0]
+    writer = StoreWriter(out, aux_layer_ids=first.aux_layer_ids, hidden_size=first.hidden_size,
+                         dtype=getattr(torch, first.dtype), expected_shards=groups)
     for index in writer.pending():
         start = index * per_shard
-        writer.write_shard(index, [reader[i] for i in range(start, start + len(groups[index]))])
+        writer.write_shard(index, [sample(at) for at in range(start, start + len(groups[index]))])
     writer.finish()
     return out
 
@@ -229,14 +245,21 @@ def scoring_cpu(cpu_at_step: dict[int, float], eval_steps: list[int], total: flo
             for s in eval_steps if s in cpu_at_step}
 
 
-def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -> list[dict]:
+def run_size(n: int, args, config, target, prepared, extracted, head, prompts, original=None) -> list[dict]:
+    """original: (prepared, extracted) of the corpus's own answers, mixed into the train split (--mix-original)."""
     root = Path(args.root) / f"n{n}"
     shutil.rmtree(root, ignore_errors=True)  # nothing of an earlier run (store, checkpoints) is reused by mistake
     root.mkdir(parents=True)
     info = TargetInfo.read(target.path)
     model_dir = Path(info.model_dir)
-    store = subset_store(extracted.path / "train", root / "store", n)
     samples = conversations.read_samples(prepared.path / "train.jsonl")[:n]
+    if original is None:
+        store = subset_store([(extracted.path / "train", n, None)], root / "store")
+    else:  # data mixing: beside the target's answers, the corpus's own answers to the same train prompts
+        prompts_used = {s.id for s in samples}
+        store = subset_store([(extracted.path / "train", n, "regenerated"),
+                              (original[1].path / "train", prompts_used, "original")], root / "store")
+        samples += [s for s in conversations.read_samples(original[0].path / "train.jsonl") if s.id in prompts_used]
     vocab = root / "vocab.safetensors"
     counts = count_tokens(((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples),
                           info.vocab_size)
@@ -262,7 +285,8 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts) -
     scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
     rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
                  "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
-                 "ttt_loss_decay": args.ttt_loss_decay,
+                 "ttt_loss_decay": args.ttt_loss_decay, "mix_original": args.mix_original,
+                 "train_samples": len(StoreReader(store)),
                  "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
                  "cpu_s": ours_cpu, "wall_s": ours_wall,
                  "scoring_cpu_s": sum(scoring.values()),
@@ -343,11 +367,17 @@ def main() -> None:
     parser.add_argument("--ttt-loss-decay", type=float, default=1.0,
                         help="our trainer's loss weight of draft position k relative to the first: decay**k "
                              "(train.ttt_loss_decay)")
+    parser.add_argument("--mix-original", action="store_true",
+                        help="data mixing: our trainer also learns the corpus's own answers to the same N train prompts "
+                             "(regenerate.enabled=false, a second data source; the vocabulary counts both; the held-out "
+                             "prompts stay the target's)")
     parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
                         help="draft vocabulary size (vocab.draft_vocab_size), for both trainers")
     args = parser.parse_args()
     heldout_extra = 1.0 / 0.9
-    config, target, prepared, extracted = prepare(Path(args.root), int(max(args.samples) * heldout_extra) + 8, args.tiny)
+    max_samples = int(max(args.samples) * heldout_extra) + 8
+    config, target, prepared, extracted = prepare(Path(args.root), max_samples, args.tiny)
+    original = prepare(Path(args.root), max_samples, args.tiny, regenerate=False)[2:] if args.mix_original else None
     info = TargetInfo.read(target.path)
     target_config = read_target_config(Path(info.model_dir))
     head = load_target_head(target.path / HEAD_FILE, target_config)
@@ -357,7 +387,7 @@ def main() -> None:
           f"{len(prompts)} prompts; torch threads {torch.get_num_threads()}", flush=True)
     rows = []
     for n in args.samples:
-        rows += run_size(n, args, config, target, prepared, extracted, head, prompts)
+        rows += run_size(n, args, config, target, prepared, extracted, head, prompts, original)
         print_table(rows)
 
 
