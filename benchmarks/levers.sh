@@ -2,7 +2,7 @@
 # Issue 31 item 4: each recipe lever against the same baseline, one after another over the same cached data
 # (the data stages run once under --root; every lever trains and serves its own draft). n=500 chats, 9 epochs, Muon,
 # train.select=best, as the README's recipe; speculators' side by side stays in benchmarks/results/quality-*.txt.
-#   benchmarks/levers.sh [root] [log]     # ~2.5 h on 2 quiet cores; each lever's JSON row is one line of the log
+#   benchmarks/levers.sh [root] [log]     # ~3 h on 2 quiet cores; each lever's JSON row is one line of the log
 set -u
 root=${1:-runs/quality}
 log=${2:-levers.log}
@@ -19,4 +19,6 @@ run "baseline (the README's recipe)"
 run "deeper TTT with more epochs (5 steps, 12 epochs)" --ttt-steps 5 --epochs 12
 run "more epochs alone (TTT 3, 12 epochs): the control of the row above" --epochs 12
 run "data mixing: the corpus's own answers to the same prompts beside the target's (a second source)" --mix-original
+run "more epochs (15): the same steps as the data-mixing row, its control" --epochs 15
+run "more epochs (20)" --epochs 20
 echo "## done $(date -u +%H:%M) UTC" >> "$log"
