@@ -264,7 +264,8 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts, o
     counts = count_tokens(((torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)) for s in samples),
                           info.vocab_size)
     save_mapping(build_mapping(counts, min(args.draft_vocab, info.vocab_size)), vocab)
-    tokens = StoreReader(store).num_tokens
+    train_store = StoreReader(store)
+    tokens = train_store.num_tokens
     steps = max(4, round(args.epochs * tokens / (BATCH_TOKENS * args.grad_accum)))
     heldout = extracted.path / "heldout"
     rows = []
@@ -286,7 +287,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts, o
     rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
                  "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
                  "ttt_loss_decay": args.ttt_loss_decay, "mix_original": args.mix_original,
-                 "train_samples": len(StoreReader(store)),
+                 "train_samples": len(train_store),
                  "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
                  "cpu_s": ours_cpu, "wall_s": ours_wall,
                  "scoring_cpu_s": sum(scoring.values()),
