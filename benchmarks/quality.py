@@ -270,39 +270,41 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts, o
     heldout = extracted.path / "heldout"
     rows = []
 
-    shutil.rmtree(root / "ours", ignore_errors=True)
-    config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20), batch_tokens=BATCH_TOKENS,
-                              checkpoint_every=max(1, steps // 8), seed=0, ttt_steps=args.ttt_steps,
-                              optimizer=args.optimizer, grad_accum=args.grad_accum, ttt_loss_decay=args.ttt_loss_decay,
-                              draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1))
-    paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
-    ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
-    cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
-    evals = [json.loads(line) for line in (root / "ours" / EVALS).read_text().splitlines() if line.strip()]
-    best = best_eval(evals)
-    tokens_seen = json.loads((root / "ours" / LOSSES).read_text().splitlines()[-1])["tokens_seen"]
-    export = export_draft(root / "ours" / "checkpoints" / best["checkpoint"], root / "ours-export", target_dir=model_dir,
-                          aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
-    scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
-    rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
-                 "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
-                 "ttt_loss_decay": args.ttt_loss_decay, "mix_original": args.mix_original,
-                 "train_samples": len(train_store),
-                 "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
-                 "cpu_s": ours_cpu, "wall_s": ours_wall,
-                 "scoring_cpu_s": sum(scoring.values()),
-                 "best_step": best["step"], "steps": steps,
-                 **evaluate(export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
-    print(json.dumps(rows[-1]), flush=True)
-    if args.compare_last:  # train.select: the last checkpoint served beside the best-walk one
-        last = max(evals, key=lambda e: e["step"])
-        last_export = export if last["checkpoint"] == best["checkpoint"] else export_draft(
-            root / "ours" / "checkpoints" / last["checkpoint"], root / "ours-last-export", target_dir=model_dir,
-            aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
-        rows.append({**{k: rows[-1][k] for k in ("samples", "tokens", "cpu_s", "wall_s")}, "trainer": "ours (last)",
-                     "best_step": last["step"], "steps": steps,
-                     **evaluate(last_export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
+    if not args.no_ours:
+        shutil.rmtree(root / "ours", ignore_errors=True)
+        config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20),
+                                  batch_tokens=BATCH_TOKENS, checkpoint_every=max(1, steps // 8), seed=0,
+                                  ttt_steps=args.ttt_steps, optimizer=args.optimizer, grad_accum=args.grad_accum,
+                                  ttt_loss_decay=args.ttt_loss_decay,
+                                  draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1))
+        paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
+        ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
+        cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
+        evals = [json.loads(line) for line in (root / "ours" / EVALS).read_text().splitlines() if line.strip()]
+        best = best_eval(evals)
+        tokens_seen = json.loads((root / "ours" / LOSSES).read_text().splitlines()[-1])["tokens_seen"]
+        export = export_draft(root / "ours" / "checkpoints" / best["checkpoint"], root / "ours-export", target_dir=model_dir,
+                              aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
+        scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
+        rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
+                     "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
+                     "ttt_loss_decay": args.ttt_loss_decay, "mix_original": args.mix_original,
+                     "train_samples": len(train_store),
+                     "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
+                     "cpu_s": ours_cpu, "wall_s": ours_wall,
+                     "scoring_cpu_s": sum(scoring.values()),
+                     "best_step": best["step"], "steps": steps,
+                     **evaluate(export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
         print(json.dumps(rows[-1]), flush=True)
+        if args.compare_last:  # train.select: the last checkpoint served beside the best-walk one
+            last = max(evals, key=lambda e: e["step"])
+            last_export = export if last["checkpoint"] == best["checkpoint"] else export_draft(
+                root / "ours" / "checkpoints" / last["checkpoint"], root / "ours-last-export", target_dir=model_dir,
+                aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
+            rows.append({**{k: rows[-1][k] for k in ("samples", "tokens", "cpu_s", "wall_s")}, "trainer": "ours (last)",
+                         "best_step": last["step"], "steps": steps,
+                         **evaluate(last_export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
+            print(json.dumps(rows[-1]), flush=True)
     if args.no_speculators:
         return rows
 
@@ -313,13 +315,14 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts, o
     theirs = {"samples": n, "trainer": "speculators", "tokens": round(args.epochs * 0.99 * tokens), "cpu_s": cpu,
               "wall_s": wall, **evaluate(export, model_dir, heldout, head, prompts, not args.no_served,
                                          config.target.dtype)}
-    reached = next((e for e in evals if e["acceptance_length"] >= theirs["simulated"]), None)
-    # CPU s at the end of that training step (the scoring of earlier checkpoints included, its own not), and
-    # the same without the scoring of earlier checkpoints
-    rows[-1]["cpu_s_to_reach_speculators"] = cpu_at_step.get(reached["step"]) if reached else None
-    rows[-1]["cpu_s_to_reach_unscored"] = (cpu_at_step[reached["step"]] - sum(
-        c for s, c in scoring.items() if s < reached["step"])) if reached else None
-    rows[-1]["speculators_cpu_s"] = cpu
+    if not args.no_ours:  # rows[0] is our best-walk draft's row
+        reached = next((e for e in evals if e["acceptance_length"] >= theirs["simulated"]), None)
+        # CPU s at the end of that training step (the scoring of earlier checkpoints included, its own not), and
+        # the same without the scoring of earlier checkpoints
+        rows[0]["cpu_s_to_reach_speculators"] = cpu_at_step.get(reached["step"]) if reached else None
+        rows[0]["cpu_s_to_reach_unscored"] = (cpu_at_step[reached["step"]] - sum(
+            c for s, c in scoring.items() if s < reached["step"])) if reached else None
+        rows[0]["speculators_cpu_s"] = cpu
     rows.append(theirs)
     print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -355,6 +358,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="builtin:tiny target, a few samples (smoke check)")
     parser.add_argument("--no-served", action="store_true", help="skip the served (vLLM) evaluation")
     parser.add_argument("--no-speculators", action="store_true", help="only our trainer")
+    parser.add_argument("--no-ours", action="store_true",
+                        help="only speculators' trainer (its side by side at the epochs an earlier run of ours used)")
     parser.add_argument("--compare-last", action="store_true",
                         help="also evaluate our last checkpoint beside the best-walk one (train.select last vs best)")
     parser.add_argument("--ttt-steps", type=int, default=3, help="our trainer's TTT depth (speculators' stays 3)")
@@ -375,6 +380,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
                         help="draft vocabulary size (vocab.draft_vocab_size), for both trainers")
     args = parser.parse_args()
+    if args.no_ours and args.no_speculators:
+        parser.error("--no-ours with --no-speculators leaves no trainer to run: drop one of them")
     heldout_extra = 1.0 / 0.9
     max_samples = int(max(args.samples) * heldout_extra) + 8
     config, target, prepared, extracted = prepare(Path(args.root), max_samples, args.tiny)
