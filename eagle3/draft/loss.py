@@ -90,17 +90,29 @@ def compiled_kernels() -> LossKernels:
     return LossKernels(torch.compile(target_distribution, dynamic=True), torch.compile(plain_kl_loss, dynamic=True))
 
 
+def add_feature_noise(aux: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """`aux` [..., H] plus Gaussian noise whose standard deviation is `scale` times each state's RMS
+    (train.feature_noise), drawn from `generator` in float32 on aux's device."""
+    states = aux.float()
+    rms = states.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(states.shape, generator=generator, device=aux.device, dtype=torch.float32)
+    return (states + noise * (rms * scale)).to(aux.dtype)
+
+
 def batch_loss(
     model: Eagle3Draft, batch: MicroBatch, head: TargetHead, one_doc: bool = False, kernels: LossKernels = EAGER,
-    decay: float = 1.0,
+    decay: float = 1.0, noise: tuple[float, torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Loss of one micro-batch and its per-step losses: the mean over TTT steps, or with `decay` < 1 the
     mean weighted by decay**step (train.ttt_loss_decay).
 
     `head.lm_head` holds only the draft vocabulary's rows of the target's; its dtype is the
-    compute dtype. `one_doc`: the batch is one sample (plain causal attention).
+    compute dtype. `one_doc`: the batch is one sample (plain causal attention). `noise`: (scale, generator)
+    perturbs the aux states the draft reads (add_feature_noise), never the final state its targets come from.
     """
     aux, final = batch.split_states(head.embed.dtype)  # [L, n_aux, H], [L, H]
+    if noise is not None and noise[0] > 0:
+        aux = add_feature_noise(aux, *noise)
     probs, neg_entropy = kernels.target(head, final)  # [L, Vd], [L]
     per_step = []
     drafts = model.unroll(aux, batch.step_tokens, batch.positions, None if one_doc else batch.doc_ids, head.embed)

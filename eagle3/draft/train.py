@@ -229,14 +229,20 @@ def _train_step(run: _Run, stream: BatchStream) -> tuple[float, list[float], flo
         group["lr"] = lr
     run.model.zero_grad(set_to_none=True)
     sums = torch.zeros(1 + config.ttt_steps, dtype=torch.float64, device=run.device)  # [loss, per-step...]
-    for _ in range(config.grad_accum):
+    for micro in range(config.grad_accum):  # the micro-batch's index in the step, the same on every rank
         batch, tokens, one_doc = stream.take()
         run.tokens_seen += tokens
         if batch is None:
             continue
+        noise = None
+        if config.feature_noise > 0:  # seeded by (seed, step, micro-batch): resumes and DDP draw what a straight run does
+            generator = torch.Generator(device=run.device)
+            generator.manual_seed(hash((config.seed, run.step, micro)) & 0xFFFF_FFFF_FFFF)
+            noise = (config.feature_noise, generator)
         try:
             with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
-                loss, losses = batch_loss(run.model, batch, run.head, one_doc, run.kernels, config.ttt_loss_decay)
+                loss, losses = batch_loss(run.model, batch, run.head, one_doc, run.kernels, config.ttt_loss_decay,
+                                          noise)
             (loss / config.grad_accum).backward()
         except _compile_errors() as err:
             if run.kernels is EAGER:

@@ -21,7 +21,8 @@ _RESUMABLE_CHANGES = {"data", "steps", "checkpoint_every", "num_draft_tokens_eva
                       "devices"}
 # Settings added after train artifacts were first cached: at this default they stay out of the train fingerprint,
 # so an upgrade does not retrain drafts whose settings did not change.
-ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto", "select": "best", "ttt_loss_decay": 1.0}
+ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto", "select": "best", "ttt_loss_decay": 1.0,
+                      "feature_noise": 0.0}
 # train.tokens_per_step='auto' on CUDA: tokens per optimizer step (8 micro-batches of 2,048 tokens)
 AUTO_TOKENS_PER_STEP_CUDA = 16_384
 # train.draft counts as the architecture it resolves to (eagle3.draft.architecture.resolve: the trainer's meta and
@@ -95,6 +96,14 @@ class TrainConfig(BaseModel):
         "token) relative to the first: decay**k, the weights normalized to sum to one. 1.0 (default): every TTT step "
         "counts the same, as EAGLE-3 trains. Below 1 the first draft tokens count more: a served draft's later "
         "tokens are only accepted after the earlier ones (benchmarks/quality.py --ttt-loss-decay measures it)."
+    )
+    feature_noise: float = Field(
+        default=0.0, ge=0, le=1, description="Data augmentation: while training, Gaussian noise is added to the "
+        "target's hidden states the draft reads, its standard deviation this share of each state's RMS (0.1: a "
+        "tenth). Seeded by train.seed, the step and the micro-batch, so a resumed run and a data-parallel one see "
+        "the noise a straight run sees; held-out scoring reads the states as captured. 0 (default): none. EAGLE's "
+        "first trainer added noise to its features for robustness (benchmarks/quality.py --feature-noise measures "
+        "it)."
     )
     checkpoint_every: int = Field(
         default=200, ge=1, description="Write a checkpoint every this many steps (and at the end)."

@@ -20,11 +20,14 @@ def _paths(world) -> dict[str, Path]:  # noqa: ANN001
             "vocab_path": world.vocab_path}
 
 
-def test_two_processes_give_the_one_process_result_for_the_same_global_batch(tmp_path, monkeypatch):
-    """The train stage's launcher (torchrun, gloo on the CPU) against one process, same global batch."""
+@pytest.mark.parametrize("feature_noise", [0.0, 0.3])
+def test_two_processes_give_the_one_process_result_for_the_same_global_batch(tmp_path, monkeypatch, feature_noise):
+    """The train stage's launcher (torchrun, gloo on the CPU) against one process, same global batch; with
+    train.feature_noise each micro-batch gets the noise it gets in the one process, whichever rank reads it."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     world = tiny_world()
-    config = TrainConfig(steps=8, checkpoint_every=4, grad_accum=2, num_processes=2, **TRAIN_KW)  # 2 micro-batches per step
+    config = TrainConfig(steps=8, checkpoint_every=4, grad_accum=2, num_processes=2, feature_noise=feature_noise,
+                         **TRAIN_KW)  # 2 micro-batches per step
     seen: list[int] = []
     launched = train_distributed(config, 2, out_dir=tmp_path / "ddp", progress=lambda step, total, loss: seen.append(step),
                                  **_paths(world))

@@ -394,3 +394,36 @@ def test_the_optimizer_setting_at_its_default_keeps_the_fingerprints_of_drafts_t
     del meta["train_config"]["optimizer"]  # as written before the setting existed
     meta_path.write_text(json.dumps(meta))
     assert _train(tmp_path / "run").resumed_from_step == 4
+
+
+def test_feature_noise_changes_what_is_learned_resumes_as_if_never_stopped_and_keeps_old_fingerprints(tmp_path):
+    """train.feature_noise=0.3: the draft reads the target's states with noise of 0.3 of each state's RMS, so the
+    run differs from a plain one; the noise is seeded by the step and micro-batch, so a stopped run resumes to the
+    same losses and weights; at the default 0 the train fingerprint is the one from before the setting; a value
+    outside [0, 1] is refused naming the setting."""
+    from eagle3.artifacts import StageRecord
+    from eagle3.draft.loss import add_feature_noise
+    from eagle3.draft_stages import fingerprint_train
+
+    states = torch.randn(4000, 3, 64) * torch.tensor([0.5, 4.0, 40.0]).view(1, 3, 1)  # three very different scales
+    noisy = add_feature_noise(states, 0.1, torch.Generator().manual_seed(0))
+    rms = states.pow(2).mean(-1, keepdim=True).sqrt()
+    relative = ((noisy - states) / rms).std(dim=(0, 2))
+    torch.testing.assert_close(relative, torch.full((3,), 0.1), rtol=0.02, atol=0)
+
+    plain = _train(tmp_path / "plain")
+    straight = _train(tmp_path / "straight", feature_noise=0.3)
+    assert straight.losses != pytest.approx(plain.losses, abs=1e-4)
+    _train(tmp_path / "resumed", stop_after=6, feature_noise=0.3)
+    resumed = _train(tmp_path / "resumed", feature_noise=0.3)
+    assert resumed.resumed_from_step == 4
+    assert resumed.losses == pytest.approx(straight.losses, abs=1e-6)
+    for name, tensor in _final_weights(straight).items():
+        torch.testing.assert_close(_final_weights(resumed)[name], tensor, rtol=0, atol=1e-6)
+
+    upstream = [StageRecord(stage=n, uri="/x", fingerprint=n) for n in ("extract", "vocab", "stage_target")]
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1), *upstream) == "c26cabe8f67fc68358c7"
+    assert fingerprint_train(TrainConfig(steps=10, warmup_steps=1, feature_noise=0.1), *upstream) != "c26cabe8f67fc68358c7"
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValidationError, match="feature_noise"):
+            TrainConfig(feature_noise=bad)
