@@ -111,7 +111,7 @@ def batch_loss(
     perturbs the aux states the draft reads (add_feature_noise), never the final state its targets come from.
     """
     aux, final = batch.split_states(head.embed.dtype)  # [L, n_aux, H], [L, H]
-    if noise is not None and noise[0] > 0:
+    if noise is not None:
         aux = add_feature_noise(aux, *noise)
     probs, neg_entropy = kernels.target(head, final)  # [L, Vd], [L]
     per_step = []
