@@ -28,6 +28,7 @@ stages, cached under --root), for each number of training samples N:
     python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators --compare-last   # best vs last
     python benchmarks/quality.py --samples 500 --epochs 9 --optimizer muon --no-speculators --mix-original   # data mixing
     python benchmarks/quality.py --samples 500 --epochs 20 --optimizer muon --no-speculators --feature-noise 0.1
+    python benchmarks/quality.py --samples 500 --epochs 20 --optimizer muon --no-speculators --draft-layers 2
     python benchmarks/quality.py --samples 500 --epochs 30 --no-ours   # speculators alone, at the epochs of a run of ours
     benchmarks/levers.sh   # issue 31's levers, one after another over the same cached data
 """
@@ -278,7 +279,8 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts, o
                                   batch_tokens=BATCH_TOKENS, checkpoint_every=max(1, steps // 8), seed=0,
                                   ttt_steps=args.ttt_steps, optimizer=args.optimizer, grad_accum=args.grad_accum,
                                   ttt_loss_decay=args.ttt_loss_decay, feature_noise=args.feature_noise,
-                                  draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1))
+                                  draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1,
+                                                      num_layers=args.draft_layers))
         paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
         ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
         cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
@@ -291,7 +293,7 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts, o
         rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
                      "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
                      "ttt_loss_decay": args.ttt_loss_decay, "feature_noise": args.feature_noise,
-                     "mix_original": args.mix_original,
+                     "draft_layers": args.draft_layers, "mix_original": args.mix_original,
                      "train_samples": len(train_store),
                      "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
                      "cpu_s": ours_cpu, "wall_s": ours_wall,
@@ -379,6 +381,8 @@ def main() -> None:
     parser.add_argument("--feature-noise", type=float, default=0.0,
                         help="our trainer's noise on the hidden states it reads, a share of each state's RMS "
                              "(train.feature_noise)")
+    parser.add_argument("--draft-layers", type=int, default=1,
+                        help="our draft's decoder layers (train.draft.num_layers; speculators' draft keeps one)")
     parser.add_argument("--mix-original", action="store_true",
                         help="data mixing: our trainer also learns the corpus's own answers to the same N train prompts "
                              "(regenerate.enabled=false, a second data source; the vocabulary counts both; the held-out "

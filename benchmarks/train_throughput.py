@@ -196,7 +196,7 @@ def naive_loss(model: Eagle3Draft, batch: MicroBatch, head: TargetHead) -> torch
     hidden, losses = model.fuse(aux), []
     for step in range(batch.step_tokens.shape[0]):
         embeds = F.embedding(batch.step_tokens[step], head.embed).to(hidden.dtype)
-        hidden = model.step(embeds, hidden, batch.positions + step, TTTCache(mask=None))
+        hidden = model.step(embeds, hidden, batch.positions + step, [TTTCache(mask=None)])
         rows = batch.num_tokens - 1 - step
         losses.append(fused_kl_loss(model.logits(hidden)[:rows], probs[1 + step :], neg_entropy[1 + step :],
                                     batch.weights[step, :rows]))

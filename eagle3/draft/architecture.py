@@ -74,6 +74,11 @@ class DraftSettings(BaseModel):
         default=False, description="EAGLE 3.1: each draft step hands the NEXT step its hidden state after the final "
         "norm (the one lm_head reads) instead of before it, against the magnitude drift of deeper draft steps. "
         "Exported as config norm_output (no weights); vLLM 0.32 serves it.")
+    num_layers: int = Field(
+        default=1, ge=1, le=8, description="Decoder layers of the draft (EAGLE-3's is one). The first reads "
+        "[embedding; hidden] as always, each later one the previous layer's output (speculators' and vLLM's "
+        "multi-layer EAGLE-3). Each layer adds about a layer of the target's cost to every drafted token. "
+        "Llama-style drafts only.")
 
     @model_validator(mode="after")
     def _check(self) -> DraftSettings:
@@ -81,6 +86,10 @@ class DraftSettings(BaseModel):
         if self.architecture == "llama" and set_shapes:
             raise ValueError(f"train.draft.{set_shapes[0]} is set, but train.draft.architecture='llama' takes its "
                              "shape from the target; unset it, or set train.draft.architecture: deepseek_mla")
+        if self.architecture == "deepseek_mla" and self.num_layers != 1:
+            raise ValueError(f"train.draft.num_layers is {self.num_layers}, but the MLA draft "
+                             "(train.draft.architecture='deepseek_mla') is trained with one layer; set "
+                             "train.draft.num_layers: 1")
         return self
 
     def shapes(self) -> dict[str, int]:
@@ -115,6 +124,11 @@ def resolve(settings: DraftSettings, text: dict | None, where: str = "the target
             "train.draft.architecture to 'auto' or 'llama'")
     architecture: Architecture = "deepseek_mla" if settings.architecture == "deepseek_mla" or (
         settings.architecture == "auto" and mla) else "llama"
+    if architecture == "deepseek_mla" and settings.num_layers != 1:
+        raise DraftArchitectureError(
+            f"train.draft.num_layers={settings.num_layers}, but the draft for {where} is the MLA draft "
+            f"(train.draft.architecture={settings.architecture!r}), which this tool trains with one layer; set "
+            "train.draft.num_layers: 1")
     if architecture == "llama" and settings.shapes():
         name = next(iter(settings.shapes()))
         raise DraftArchitectureError(
@@ -140,7 +154,7 @@ def draft_config_for(settings: DraftSettings, target_dir: Path, *, num_aux_hidde
         return mla.model_copy(update=eagle_3_1)
     llama = DraftConfig.from_target(read_target_config(target_dir), num_aux_hidden_states=num_aux_hidden_states,
                                     draft_vocab_size=draft_vocab_size)
-    return llama.model_copy(update=eagle_3_1)
+    return llama.model_copy(update=eagle_3_1 | {"num_layers": chosen.num_layers})
 
 
 def draft_config_from_dict(values: dict) -> DraftConfig | MLADraftConfig:

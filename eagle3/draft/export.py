@@ -1,7 +1,7 @@
 """Export a training checkpoint as a speculators-format EAGLE-3 folder that vLLM serves.
 
     <out_dir>/config.json         speculators' own Eagle3SpeculatorConfig serialization
-    <out_dir>/model.safetensors   fc, layers.0.*, norm, lm_head, d2t, t2d
+    <out_dir>/model.safetensors   fc, layers.0.* (and layers.1.*.. with train.draft.num_layers), norm, lm_head, d2t, t2d
 
 No `embed_tokens` is written: vLLM's llama_eagle3 loader then marks the draft as having
 no embedding of its own and shares the target's (the one the draft was trained with).
@@ -184,5 +184,6 @@ def _speculators_draft_config(raw: dict, export_dir: Path) -> DraftConfig:
         norm_before_residual=raw.get("norm_before_residual", True),  # vLLM's default when absent
         fc_norm=bool(raw.get("fc_norm", False)),
         norm_output=bool(raw.get("norm_output", False)),
+        num_layers=int(layer.get("num_hidden_layers", 1)),
     )
 

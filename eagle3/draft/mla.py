@@ -199,9 +199,10 @@ class Eagle3MLADraft(Eagle3Draft):
         inv_freq, self.rope_scaling, self.softmax_scale = deepseek_rope(c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [r/2]
 
-    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache,
+                layer: int = 0) -> torch.Tensor:
         """x [L, 2H], cos/sin [L, r] -> attention output [L, H]; adds this step's keys and values to `cache`."""
-        c, attn = self.config, self.layers[0].self_attn
+        c, attn = self.config, self.layers[layer].self_attn
         length, n, nope, rope, dv = x.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         q_in = attn.q_a_layernorm(attn.q_a_proj(x)) if c.q_lora_rank is not None else x  # [L, q_lora] or [L, 2H]
         q = (attn.q_b_proj if c.q_lora_rank is not None else attn.q_proj)(q_in).view(length, n, nope + rope)

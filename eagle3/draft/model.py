@@ -18,6 +18,10 @@ One layer, residual convention of vLLM/speculators:
     residual = hidden_norm(hidden);  x = cat[input_layernorm(emb), hidden_norm(hidden)]   [L, 2H]
     h = residual + o_proj(attn(x));  out = h + mlp(post_attention_layernorm(h))  [L, H]
     logits = lm_head(norm(out));  `out` (before the norm) is the next step's hidden.
+More layers (train.draft.num_layers, speculators' and vLLM's multi-layer EAGLE-3): layer i >= 1 is a plain
+pre-norm Llama layer over the previous layer's output (q/k/v read [L, H]; no hidden_norm):
+    h = out + o_proj(attn(input_layernorm(out)));  out = h + mlp(post_attention_layernorm(h))
+with its own TTT cache (new_caches); the last layer's `out` is what the norm and lm_head read.
 EAGLE 3.1 (train.draft.fc_norm, norm_output; both off by default): fc reads
     cat[fc_norm.0(aux_0), fc_norm.1(aux_1), ...] instead of cat[aux_0, aux_1, ...], and the next
     step's hidden is norm(out), the state lm_head reads, instead of `out`.
@@ -79,6 +83,8 @@ class DraftConfig(BaseModel):
     fc_norm: bool = Field(default=False, description="EAGLE 3.1: an RMSNorm per aux state before fc (train.draft.fc_norm).")
     norm_output: bool = Field(default=False, description="EAGLE 3.1: the next step reads the post-norm hidden "
                               "(train.draft.norm_output).")
+    num_layers: int = Field(default=1, ge=1, description="Decoder layers (train.draft.num_layers): the first reads "
+                            "[embedding; hidden], each later one the previous layer's output.")
 
     @model_validator(mode="after")
     def _check(self) -> DraftConfig:
@@ -120,12 +126,12 @@ class DraftConfig(BaseModel):
         )
 
     def llama_config(self) -> LlamaConfig:
-        """The one-layer LlamaConfig of the draft (speculators' `transformer_layer_config`)."""
+        """The LlamaConfig of the draft's layers (speculators' `transformer_layer_config`)."""
         return LlamaConfig(
             vocab_size=self.target_vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            num_hidden_layers=1,
+            num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
@@ -150,11 +156,12 @@ class RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, c: DraftConfig) -> None:
+    def __init__(self, c: DraftConfig, first: bool = True) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        width = 2 * c.hidden_size if first else c.hidden_size  # the first layer reads [embedding; hidden]
+        self.q_proj = nn.Linear(width, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
 
@@ -170,12 +177,16 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, c: DraftConfig) -> None:
+    """A decoder layer; only the first has hidden_norm (speculators' layout; vLLM builds the norm in every layer, reads
+    it in the first alone and leaves it unloaded in the others)."""
+
+    def __init__(self, c: DraftConfig, first: bool = True) -> None:
         super().__init__()
-        self.self_attn = _Attention(c)
+        self.self_attn = _Attention(c, first)
         self.mlp = _MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -192,7 +203,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
 
 
 class Eagle3Draft(nn.Module):
-    """fc + one decoder layer + norm + lm_head; see the module docstring for the math."""
+    """fc + decoder layers (one by default) + norm + lm_head; see the module docstring for the math."""
 
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
@@ -200,7 +211,7 @@ class Eagle3Draft(nn.Module):
         c = config
         self.fc = nn.Linear(c.num_aux_hidden_states * c.hidden_size, c.hidden_size, bias=False)
         self.fc_norm = fc_norms(c)
-        self.layers = nn.ModuleList([_Layer(c)])
+        self.layers = nn.ModuleList([_Layer(c, first=i == 0) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         rotary = LlamaRotaryEmbedding(c.llama_config())
@@ -213,10 +224,17 @@ class Eagle3Draft(nn.Module):
             aux = torch.stack([norm(aux[:, i]) for i, norm in enumerate(self.fc_norm)], dim=1)  # [L, n_aux, H]
         return self.fc(aux.flatten(-2))  # [L, n_aux*H] -> [L, H]
 
-    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-        """x [L, 2H] -> attention output [L, H]; adds this step's keys and values to `cache` (ttt_attend says how
-        the TTT mask is computed without building it)."""
-        c, attn = self.config, self.layers[0].self_attn
+    def new_caches(self, doc_ids: torch.Tensor | None, length: int, device: torch.device,
+                   dtype: torch.dtype) -> list[TTTCache]:
+        """One TTT cache per decoder layer for an unroll over `length` rows (new_ttt_cache; the mask is shared)."""
+        first = new_ttt_cache(doc_ids, length, device, dtype)
+        return [first] + [TTTCache(mask=first.mask, docs=first.docs) for _ in self.layers[1:]]
+
+    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache,
+                layer: int = 0) -> torch.Tensor:
+        """x [L, 2H] (layer 0) or [L, H] -> attention output [L, H]; adds this step's keys and values to `cache`
+        (ttt_attend says how the TTT mask is computed without building it)."""
+        c, attn = self.config, self.layers[layer].self_attn
         length, hd, groups = x.shape[0], c.head_dim, c.num_attention_heads // c.num_key_value_heads
         q = attn.q_proj(x).view(length, c.num_attention_heads, hd).transpose(0, 1)  # [heads, L, hd]
         k = attn.k_proj(x).view(length, c.num_key_value_heads, hd).transpose(0, 1)  # [kvh, L, hd]
@@ -228,16 +246,22 @@ class Eagle3Draft(nn.Module):
         return attn.o_proj(out.transpose(0, 1).reshape(length, -1))  # [heads, L, hd] -> [L, heads*hd] -> [L, H]
 
     def step(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: TTTCache
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, caches: list[TTTCache]
     ) -> torch.Tensor:
-        """One draft forward: embeds, hidden [L, H] -> output hidden [L, H] (before the final norm)."""
+        """One draft forward: embeds, hidden [L, H] -> output hidden [L, H] (before the final norm); `caches`: one
+        per layer (new_caches)."""
         layer = self.layers[0]
         normed_hidden = layer.hidden_norm(hidden)  # [L, H]
         residual = normed_hidden if self.config.norm_before_residual else hidden
         x = torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1)  # [L, 2H]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)  # [L, hd] each
-        h = residual + self._attend(x, cos, sin, cache)  # [L, H]
-        return h + layer.mlp(layer.post_attention_layernorm(h))  # [L, H]
+        h = residual + self._attend(x, cos, sin, caches[0])  # [L, H]
+        out = h + layer.mlp(layer.post_attention_layernorm(h))  # [L, H]
+        for index in range(1, len(self.layers)):  # later layers: pre-norm residual blocks over the previous output
+            layer = self.layers[index]
+            h = out + self._attend(layer.input_layernorm(out), cos, sin, caches[index], index)  # [L, H]
+            out = h + layer.mlp(layer.post_attention_layernorm(h))  # [L, H]
+        return out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output hidden [L, H] -> draft logits [L, draft_vocab]."""
@@ -261,10 +285,10 @@ class Eagle3Draft(nn.Module):
         """
         hidden = self.fuse(aux)  # [L, H]
         length = hidden.shape[0]
-        cache = new_ttt_cache(doc_ids, length, hidden.device, hidden.dtype)  # hidden: bf16 under autocast
+        caches = self.new_caches(doc_ids, length, hidden.device, hidden.dtype)  # hidden: bf16 under autocast
         for step in range(step_tokens.shape[0]):
             embeds = F.embedding(step_tokens[step], embed).to(hidden.dtype)  # [L, H]
-            out = self.step(embeds, hidden, positions + step, cache)  # [L, H]
+            out = self.step(embeds, hidden, positions + step, caches)  # [L, H]
             logits, hidden = self.logits_and_next(out)
             yield logits
 

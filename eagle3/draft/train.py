@@ -43,7 +43,8 @@ from eagle3.draft.checkpoint import Checkpoint, checkpoint_name, clean_temporari
 from eagle3.draft.evaluate import simulate_acceptance
 from eagle3.draft.export import ExportError, load_exported_draft
 from eagle3.draft.loss import EAGER, LossKernels, batch_loss, compiled_kernels
-from eagle3.draft.architecture import DraftArchitectureError, build_draft, draft_config_for, read_text_config, resolve
+from eagle3.draft.architecture import (DraftArchitectureError, DraftSettings, build_draft, draft_config_for,
+                                      draft_config_from_dict, read_text_config, resolve)
 from eagle3.draft.model import Eagle3Draft, init_draft
 from eagle3.draft.online_data import OnlineData, OnlineFeed
 from eagle3.draft.online_remote import RemoteFeed
@@ -300,14 +301,18 @@ def _resume(run: _Run, out_dir: Path) -> int | None:
 
 
 def _check_compatible(found: Checkpoint, run: _Run) -> None:
+    found_meta = dict(found.meta)
+    if found_meta.get("draft_config") is not None:  # a checkpoint from before a shape field existed: its default
+        found_meta["draft_config"] = draft_config_from_dict(found_meta["draft_config"]).model_dump()
     for key in ("draft_config", "aux_layer_ids", "num_samples"):
-        if found.meta.get(key) != run.meta[key]:
+        if found_meta.get(key) != run.meta[key]:
             raise TrainError(
                 f"checkpoint {found.path} has {key} {found.meta.get(key)}, this run {run.meta[key]}: it was "
                 "trained on other data or another draft shape; use a fresh out_dir"
             )
     old, new = found.meta.get("train_config", {}), run.meta["train_config"]
     old = {**ADDED_WITH_DEFAULT, **old}  # a checkpoint from before a setting existed trained at its default
+    old["draft"] = DraftSettings(**old["draft"]).model_dump()  # likewise a train.draft field (num_layers)
     changed = sorted(k for k in new if old.get(k) != new[k] and k not in _RESUMABLE_CHANGES)
     if changed:
         raise TrainError(

@@ -95,12 +95,12 @@ def test_vllm_computes_the_eagle_3_1_draft_as_we_train_it():
         hidden = ours.fuse(aux)  # fc over the per-state norms
         torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)
         cache = new_ttt_cache(None, len(prompt), hidden.device, hidden.dtype)
-        logits0, next0 = ours.logits_and_next(ours.step(embed[first["input_ids"]], hidden, first["positions"], cache))
+        logits0, next0 = ours.logits_and_next(ours.step(embed[first["input_ids"]], hidden, first["positions"], [cache]))
         torch.testing.assert_close(next0, first["handed_on"].float(), atol=1e-5, rtol=0)  # post-norm: norm_output
         torch.testing.assert_close(next0[-1:], second["hidden_states"].float(), atol=1e-5, rtol=0)
         tokens = torch.zeros(len(prompt), dtype=torch.long)
         tokens[-1] = second["input_ids"][0]  # only the last row's second step is vLLM's
-        logits1, _ = ours.logits_and_next(ours.step(embed[tokens], next0, first["positions"] + 1, cache))
+        logits1, _ = ours.logits_and_next(ours.step(embed[tokens], next0, first["positions"] + 1, [cache]))
     ids = mapping.target_ids
     torch.testing.assert_close(logits0, first["logits"][:, ids].float(), atol=1e-4, rtol=0)
     torch.testing.assert_close(logits1[-1:], second["logits"][:, ids].float(), atol=1e-4, rtol=0)

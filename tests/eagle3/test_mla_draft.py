@@ -110,11 +110,11 @@ def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(tr
         hidden = ours.fc(first["fc_input"].float())  # [T, H]
         torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)
         cache = new_ttt_cache(None, len(prompt), hidden.device, hidden.dtype)
-        out0 = ours.step(embed[first["input_ids"]], hidden, first["positions"], cache)  # [T, H]
+        out0 = ours.step(embed[first["input_ids"]], hidden, first["positions"], [cache])  # [T, H]
         logits0 = ours.logits(out0)  # [T, draft vocab]
         tokens = torch.zeros(len(prompt), dtype=torch.long)
         tokens[-1] = second["input_ids"][0]  # only the last row's second step is vLLM's
-        out1 = ours.step(embed[tokens], out0, first["positions"] + 1, cache)
+        out1 = ours.step(embed[tokens], out0, first["positions"] + 1, [cache])
         logits1 = ours.logits(out1[-1:])
     ids = mapping.target_ids
     assert int(second["positions"][0]) == int(first["positions"][-1]) + 1
