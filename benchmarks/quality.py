@@ -271,66 +271,111 @@ def run_size(n: int, args, config, target, prepared, extracted, head, prompts, o
     tokens = train_store.num_tokens
     steps = max(4, round(args.epochs * tokens / (BATCH_TOKENS * args.grad_accum)))
     heldout = extracted.path / "heldout"
-    rows = []
-
-    if not args.no_ours:
-        shutil.rmtree(root / "ours", ignore_errors=True)
-        config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20),
-                                  batch_tokens=BATCH_TOKENS, checkpoint_every=max(1, steps // 8), seed=0,
-                                  ttt_steps=args.ttt_steps, optimizer=args.optimizer, grad_accum=args.grad_accum,
-                                  ttt_loss_decay=args.ttt_loss_decay, feature_noise=args.feature_noise,
-                                  draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1,
-                                                      num_layers=args.draft_layers))
-        paths = [store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", heldout, root / "ours-cpu.json"]
-        ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
-        cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
-        evals = [json.loads(line) for line in (root / "ours" / EVALS).read_text().splitlines() if line.strip()]
-        best = best_eval(evals)
-        tokens_seen = json.loads((root / "ours" / LOSSES).read_text().splitlines()[-1])["tokens_seen"]
-        export = export_draft(root / "ours" / "checkpoints" / best["checkpoint"], root / "ours-export", target_dir=model_dir,
-                              aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
-        scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
-        rows.append({"samples": n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
-                     "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
-                     "ttt_loss_decay": args.ttt_loss_decay, "feature_noise": args.feature_noise,
-                     "draft_layers": args.draft_layers, "mix_original": args.mix_original,
-                     "train_samples": len(train_store),
-                     "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
-                     "cpu_s": ours_cpu, "wall_s": ours_wall,
-                     "scoring_cpu_s": sum(scoring.values()),
-                     "best_step": best["step"], "steps": steps,
-                     **evaluate(export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
-        print(json.dumps(rows[-1]), flush=True)
-        if args.compare_last:  # train.select: the last checkpoint served beside the best-walk one
-            last = max(evals, key=lambda e: e["step"])
-            last_export = export if last["checkpoint"] == best["checkpoint"] else export_draft(
-                root / "ours" / "checkpoints" / last["checkpoint"], root / "ours-last-export", target_dir=model_dir,
-                aux_layer_ids=info.aux_layer_ids, vocab_path=vocab)
-            rows.append({**{k: rows[-1][k] for k in ("samples", "tokens", "cpu_s", "wall_s")}, "trainer": "ours (last)",
-                         "best_step": last["step"], "steps": steps,
-                         **evaluate(last_export, model_dir, heldout, head, prompts, not args.no_served, config.target.dtype)})
-            print(json.dumps(rows[-1]), flush=True)
+    data = _Data(n=n, root=root, model_dir=model_dir, aux_layer_ids=info.aux_layer_ids, store=store, vocab=vocab,
+                 heldout=heldout, tokens=tokens, steps=steps, train_samples=len(train_store))
+    rows, ours = ([], None) if args.no_ours else train_ours(data, args, config, target, head, prompts)
     if args.no_speculators:
         return rows
-
-    dataset = speculators_dataset(store, root / "speculators-data")
-    checkpoint, cpu, wall = train_speculators(model_dir, dataset, vocab, info.aux_layer_ids, args.epochs,
-                                              root / "speculators")
-    export = as_export(checkpoint, root / "speculators-export")
-    theirs = {"samples": n, "trainer": "speculators", "tokens": round(args.epochs * 0.99 * tokens), "cpu_s": cpu,
-              "wall_s": wall, **evaluate(export, model_dir, heldout, head, prompts, not args.no_served,
-                                         config.target.dtype)}
-    if not args.no_ours:  # rows[0] is our best-walk draft's row
-        reached = next((e for e in evals if e["acceptance_length"] >= theirs["simulated"]), None)
-        # CPU s at the end of that training step (the scoring of earlier checkpoints included, its own not), and
-        # the same without the scoring of earlier checkpoints
-        rows[0]["cpu_s_to_reach_speculators"] = cpu_at_step.get(reached["step"]) if reached else None
-        rows[0]["cpu_s_to_reach_unscored"] = (cpu_at_step[reached["step"]] - sum(
-            c for s, c in scoring.items() if s < reached["step"])) if reached else None
-        rows[0]["speculators_cpu_s"] = cpu
+    theirs = train_theirs(data, args, config, head, prompts)
+    if ours is not None:  # rows[0] is our best-walk draft's row
+        rows[0].update(reach_columns(ours, theirs))
     rows.append(theirs)
     print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Data:
+    """What both trainers of one size share: the N samples' store, vocabulary, held-out states and step count."""
+
+    n: int
+    root: Path
+    model_dir: Path
+    aux_layer_ids: list[int]
+    store: Path
+    vocab: Path
+    heldout: Path
+    tokens: int
+    steps: int
+    train_samples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _OursRun:
+    """Our trainer's run, as reach_columns reads it: held-out evals per checkpoint and CPU s at each step."""
+
+    evals: list[dict]
+    cpu_at_step: dict[int, float]
+    scoring: dict[int, float]
+
+
+def train_ours(data: _Data, args, config, target, head, prompts) -> tuple[list[dict], _OursRun]:
+    """Our trainer on the N samples, its best-walk checkpoint exported and evaluated (with --compare-last its last
+    checkpoint too): the rows, printed as they come, and what reach_columns needs."""
+    root, model_dir, vocab, steps = data.root, data.model_dir, data.vocab, data.steps
+    shutil.rmtree(root / "ours", ignore_errors=True)
+    config_ours = TrainConfig(steps=steps, learning_rate=args.lr, warmup_steps=max(1, steps // 20),
+                              batch_tokens=BATCH_TOKENS, checkpoint_every=max(1, steps // 8), seed=0,
+                              ttt_steps=args.ttt_steps, optimizer=args.optimizer, grad_accum=args.grad_accum,
+                              ttt_loss_decay=args.ttt_loss_decay, feature_noise=args.feature_noise,
+                              draft=DraftSettings(fc_norm=args.eagle_3_1, norm_output=args.eagle_3_1,
+                                                  num_layers=args.draft_layers))
+    paths = [data.store, model_dir, target.path / HEAD_FILE, vocab, root / "ours", data.heldout, root / "ours-cpu.json"]
+    ours_cpu, ours_wall = run_child(_CHILD_OURS, [config_ours.model_dump_json(), *map(str, paths)], root / "ours.log")
+    cpu_at_step = {int(k): v for k, v in json.loads((root / "ours-cpu.json").read_text()).items()}
+    evals = [json.loads(line) for line in (root / "ours" / EVALS).read_text().splitlines() if line.strip()]
+    best = best_eval(evals)
+    tokens_seen = json.loads((root / "ours" / LOSSES).read_text().splitlines()[-1])["tokens_seen"]
+    export = export_draft(root / "ours" / "checkpoints" / best["checkpoint"], root / "ours-export", target_dir=model_dir,
+                          aux_layer_ids=data.aux_layer_ids, vocab_path=vocab)
+    scoring = scoring_cpu(cpu_at_step, [e["step"] for e in evals], ours_cpu)
+    served = not args.no_served
+    rows = [{"samples": data.n, "trainer": "ours", "ttt_steps": args.ttt_steps, "lr": args.lr,
+             "optimizer": args.optimizer, "grad_accum": args.grad_accum, "eagle_3_1": args.eagle_3_1,
+             "ttt_loss_decay": args.ttt_loss_decay, "feature_noise": args.feature_noise,
+             "draft_layers": args.draft_layers, "mix_original": args.mix_original,
+             "train_samples": data.train_samples,
+             "draft_vocab": args.draft_vocab, "tokens": tokens_seen,
+             "cpu_s": ours_cpu, "wall_s": ours_wall,
+             "scoring_cpu_s": sum(scoring.values()),
+             "best_step": best["step"], "steps": steps,
+             **evaluate(export, model_dir, data.heldout, head, prompts, served, config.target.dtype)}]
+    print(json.dumps(rows[-1]), flush=True)
+    if args.compare_last:  # train.select: the last checkpoint served beside the best-walk one
+        last = max(evals, key=lambda e: e["step"])
+        last_export = export if last["checkpoint"] == best["checkpoint"] else export_draft(
+            root / "ours" / "checkpoints" / last["checkpoint"], root / "ours-last-export", target_dir=model_dir,
+            aux_layer_ids=data.aux_layer_ids, vocab_path=vocab)
+        rows.append({**{k: rows[-1][k] for k in ("samples", "tokens", "cpu_s", "wall_s")}, "trainer": "ours (last)",
+                     "best_step": last["step"], "steps": steps,
+                     **evaluate(last_export, model_dir, data.heldout, head, prompts, served, config.target.dtype)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows, _OursRun(evals=evals, cpu_at_step=cpu_at_step, scoring=scoring)
+
+
+def train_theirs(data: _Data, args, config, head, prompts) -> dict:
+    """speculators' trainer on the same N samples and vocabulary for the same epochs, exported and evaluated."""
+    dataset = speculators_dataset(data.store, data.root / "speculators-data")
+    checkpoint, cpu, wall = train_speculators(data.model_dir, dataset, data.vocab, data.aux_layer_ids, args.epochs,
+                                              data.root / "speculators")
+    export = as_export(checkpoint, data.root / "speculators-export")
+    return {"samples": data.n, "trainer": "speculators", "tokens": round(args.epochs * 0.99 * data.tokens),
+            "cpu_s": cpu, "wall_s": wall,
+            **evaluate(export, data.model_dir, data.heldout, head, prompts, not args.no_served, config.target.dtype)}
+
+
+def reach_columns(ours: _OursRun, theirs: dict) -> dict:
+    """The CPU s at which our trainer first reached speculators' final simulated acceptance: at the end of that
+    training step (the scoring of earlier checkpoints included, its own not), and the same without the scoring of
+    earlier checkpoints; None when it never did."""
+    reached = next((e for e in ours.evals if e["acceptance_length"] >= theirs["simulated"]), None)
+    if reached is None:
+        return {"cpu_s_to_reach_speculators": None, "cpu_s_to_reach_unscored": None, "speculators_cpu_s": theirs["cpu_s"]}
+    at = ours.cpu_at_step.get(reached["step"])
+    if at is None:
+        return {"cpu_s_to_reach_speculators": None, "cpu_s_to_reach_unscored": None, "speculators_cpu_s": theirs["cpu_s"]}
+    earlier = sum(c for s, c in ours.scoring.items() if s < reached["step"])
+    return {"cpu_s_to_reach_speculators": at, "cpu_s_to_reach_unscored": at - earlier, "speculators_cpu_s": theirs["cpu_s"]}
 
 
 def print_table(rows: list[dict]) -> None:

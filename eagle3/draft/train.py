@@ -215,7 +215,8 @@ def _warm_start(model: Eagle3Draft, mapping: VocabMapping, init_from: Path) -> N
     if parent.config != model.config:
         changed = sorted(k for k, v in model.config.model_dump().items() if parent.config.model_dump().get(k) != v)
         raise TrainError(f"train init_from={init_from}: the draft there differs from this run's in "
-                         f"{', '.join(changed)}; warm starts need the same target, aux layers and draft vocabulary")
+                         f"{', '.join(changed)}; warm starts need the same target, aux layers, draft vocabulary and draft shape "
+                         "(train.draft)")
     if not (torch.equal(parent_mapping.d2t, mapping.d2t) and torch.equal(parent_mapping.t2d, mapping.t2d)):
         raise TrainError(f"train init_from={init_from}: its vocabulary mapping (d2t/t2d) is not this run's; its "
                          "lm_head rows belong to other tokens. Train with the parent's vocab.safetensors")
