@@ -160,3 +160,24 @@ def trained_run():
         )
     finally:
         torch.set_num_threads(before)
+
+
+@functools.cache
+def trained_and_exported(draft, name: str) -> tuple[Path, Path]:  # noqa: ANN001 - eagle3.draft.architecture.DraftSettings
+    """(checkpoint, export dir) of a 40-step draft with train.draft `draft` on the tiny world (one thread), under
+    `name`; shared by the tests of one draft setting."""
+    from eagle3.draft.export import export_draft
+    from eagle3.draft.train import TrainConfig, train_draft
+
+    world = tiny_world()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = train_draft(TrainConfig(steps=40, checkpoint_every=40, draft=draft, **TRAIN_KW),
+                             store_dir=world.train_store, target_dir=world.target_dir, head_path=world.head_path,
+                             vocab_path=world.vocab_path, out_dir=world.root / f"trained-{name}")
+    finally:
+        torch.set_num_threads(before)
+    export = export_draft(result.checkpoint, world.root / f"export-{name}", target_dir=world.target_dir,
+                          aux_layer_ids=AUX_LAYER_IDS, vocab_path=world.vocab_path)
+    return result.checkpoint, export

@@ -10,7 +10,6 @@ they mean in training. With both flags off (the default) the train fingerprint a
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -19,30 +18,15 @@ from safetensors import safe_open
 
 from eagle3.draft.architecture import DraftSettings
 from eagle3.draft.train_config import TrainConfig
-from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, TRAIN_KW, one_thread, tiny_world  # noqa: F401
-from tests.eagle3.vllm_drafter import first_two_draft_forwards
+from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, one_thread, trained_and_exported  # noqa: F401
+from tests.eagle3.vllm_drafter import assert_vllm_computes_our_llama_draft
 
 EAGLE_3_1 = DraftSettings(fc_norm=True, norm_output=True)
 
 
-@functools.cache
 def _trained_3_1():
     """(checkpoint, export dir) of a 40-step EAGLE 3.1 draft on the tiny world."""
-    from eagle3.draft.export import export_draft
-    from eagle3.draft.train import train_draft
-
-    world = tiny_world()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        result = train_draft(TrainConfig(steps=40, checkpoint_every=40, draft=EAGLE_3_1, **TRAIN_KW),
-                             store_dir=world.train_store, target_dir=world.target_dir, head_path=world.head_path,
-                             vocab_path=world.vocab_path, out_dir=world.root / "trained-3-1")
-    finally:
-        torch.set_num_threads(before)
-    export = export_draft(result.checkpoint, world.root / "export-3-1", target_dir=world.target_dir,
-                          aux_layer_ids=AUX_LAYER_IDS, vocab_path=world.vocab_path)
-    return result.checkpoint, export
+    return trained_and_exported(EAGLE_3_1, "3-1")
 
 
 def test_the_export_says_eagle_3_1_the_way_vllm_and_speculators_read_it():
@@ -76,35 +60,11 @@ def test_the_flags_change_the_train_fingerprint_and_leave_the_default_as_it_was(
 
 
 def test_vllm_computes_the_eagle_3_1_draft_as_we_train_it():
-    from eagle3.capture import vllm_adapter
-    from eagle3.draft.export import load_exported_draft
-    from eagle3.draft.ttt_attention import new_ttt_cache
-
+    """vLLM's fc reads the aux states through the per-state norms, and the hidden it hands on is our post-norm state
+    (norm_output): assert_vllm_computes_our_llama_draft checks both, and the logits of both draft steps."""
     _, export = _trained_3_1()
-    ours, mapping = load_exported_draft(export)
-    world = tiny_world()
-    vllm_adapter.release_all()
-    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype="float32", max_model_len=64, kv_cache_gib=1,
-                                           speculative_dir=str(export), num_speculative_tokens=2)
-    prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
-    theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
+    theirs = assert_vllm_computes_our_llama_draft(export)
     assert theirs.model.fc_norm is not None and theirs.model.norm_output  # vLLM read both flags
-    embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
-    with torch.no_grad():
-        aux = first["aux"].float().view(len(prompt), len(AUX_LAYER_IDS), -1)  # [T, n_aux * H] -> [T, n_aux, H]
-        hidden = ours.fuse(aux)  # fc over the per-state norms
-        torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)
-        cache = new_ttt_cache(None, len(prompt), hidden.device, hidden.dtype)
-        logits0, next0 = ours.logits_and_next(ours.step(embed[first["input_ids"]], hidden, first["positions"], [cache]))
-        torch.testing.assert_close(next0, first["handed_on"].float(), atol=1e-5, rtol=0)  # post-norm: norm_output
-        torch.testing.assert_close(next0[-1:], second["hidden_states"].float(), atol=1e-5, rtol=0)
-        tokens = torch.zeros(len(prompt), dtype=torch.long)
-        tokens[-1] = second["input_ids"][0]  # only the last row's second step is vLLM's
-        logits1, _ = ours.logits_and_next(ours.step(embed[tokens], next0, first["positions"] + 1, [cache]))
-    ids = mapping.target_ids
-    torch.testing.assert_close(logits0, first["logits"][:, ids].float(), atol=1e-4, rtol=0)
-    torch.testing.assert_close(logits1[-1:], second["logits"][:, ids].float(), atol=1e-4, rtol=0)
-    assert logits0.std() > 0.1  # trained logits, not a degenerate comparison
 
 
 @pytest.mark.parametrize("flags", [{"fc_norm": True}, {"norm_output": True}])

@@ -1,6 +1,6 @@
 """What vLLM's own EAGLE-3 draft computes while it serves: its first two forward calls on one prompt.
 
-Shared by the tests that hold our draft module against vLLM's (test_mla_draft, test_eagle_3_1).
+Shared by the tests that hold our draft module against vLLM's (test_mla_draft, test_eagle_3_1, test_draft_layers).
 """
 
 from __future__ import annotations
@@ -38,3 +38,38 @@ def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, d
     first, second = calls[0], calls[1]
     assert first["input_ids"].shape[0] == len(prompt) and second["input_ids"].shape[0] == 1
     return model, first, second
+
+
+def assert_vllm_computes_our_llama_draft(export) -> torch.nn.Module:  # noqa: ANN001 - a Path
+    """Serve the tiny target with the Llama-style draft exported in `export` (float32, 2 speculative tokens) and
+    check that vLLM's first draft forward (the whole 13-token prompt) and its second (one row: the token the first
+    drafted) give our module's fused hidden, handed-on hidden and logits (within 1e-5, 1e-5 and 1e-4), our module
+    unrolled as in training with one TTT cache per layer. Returns vLLM's draft module for setting-specific checks."""
+    from eagle3.capture import vllm_adapter
+    from eagle3.draft.export import load_exported_draft
+    from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, tiny_world
+
+    ours, mapping = load_exported_draft(export)
+    world = tiny_world()
+    vllm_adapter.release_all()
+    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype="float32", max_model_len=64, kv_cache_gib=1,
+                                           speculative_dir=str(export), num_speculative_tokens=2)
+    prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
+    theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
+    embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
+    with torch.no_grad():
+        aux = first["aux"].float().view(len(prompt), len(AUX_LAYER_IDS), -1)  # [T, n_aux * H] -> [T, n_aux, H]
+        hidden = ours.fuse(aux)
+        torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)
+        caches = ours.new_caches(None, len(prompt), hidden.device, hidden.dtype)
+        logits0, next0 = ours.logits_and_next(ours.step(embed[first["input_ids"]], hidden, first["positions"], caches))
+        torch.testing.assert_close(next0, first["handed_on"].float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(next0[-1:], second["hidden_states"].float(), atol=1e-5, rtol=0)
+        tokens = torch.zeros(len(prompt), dtype=torch.long)
+        tokens[-1] = second["input_ids"][0]  # only the last row's second step is vLLM's
+        logits1, _ = ours.logits_and_next(ours.step(embed[tokens], next0, first["positions"] + 1, caches))
+    ids = mapping.target_ids
+    torch.testing.assert_close(logits0, first["logits"][:, ids].float(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits1[-1:], second["logits"][:, ids].float(), atol=1e-4, rtol=0)
+    assert logits0.std() > 0.1  # trained logits, not a degenerate comparison
+    return theirs
