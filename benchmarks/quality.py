@@ -369,13 +369,10 @@ def reach_columns(ours: _OursRun, theirs: dict) -> dict:
     training step (the scoring of earlier checkpoints included, its own not), and the same without the scoring of
     earlier checkpoints; None when it never did."""
     reached = next((e for e in ours.evals if e["acceptance_length"] >= theirs["simulated"]), None)
-    if reached is None:
-        return {"cpu_s_to_reach_speculators": None, "cpu_s_to_reach_unscored": None, "speculators_cpu_s": theirs["cpu_s"]}
-    at = ours.cpu_at_step.get(reached["step"])
-    if at is None:
-        return {"cpu_s_to_reach_speculators": None, "cpu_s_to_reach_unscored": None, "speculators_cpu_s": theirs["cpu_s"]}
-    earlier = sum(c for s, c in ours.scoring.items() if s < reached["step"])
-    return {"cpu_s_to_reach_speculators": at, "cpu_s_to_reach_unscored": at - earlier, "speculators_cpu_s": theirs["cpu_s"]}
+    at = ours.cpu_at_step.get(reached["step"]) if reached else None
+    earlier = sum(c for s, c in ours.scoring.items() if s < reached["step"]) if at is not None else 0.0
+    return {"cpu_s_to_reach_speculators": at, "cpu_s_to_reach_unscored": None if at is None else at - earlier,
+            "speculators_cpu_s": theirs["cpu_s"]}
 
 
 def print_table(rows: list[dict]) -> None:
