@@ -9,6 +9,7 @@ way the `regenerate` stage makes it. Tests that change files copy what they chan
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import shutil
 import tempfile
@@ -30,6 +31,10 @@ AUX_LAYER_IDS = [2, NUM_LAYERS // 2, NUM_LAYERS - 3]
 PROMPT_LEN = 8
 ANSWER_LEN = 32
 DRAFT_VOCAB = 256
+# a small Llama-style draft shape (eagle3.draft.model.DraftConfig keyword arguments) for tests that build drafts by hand
+SMALL_DRAFT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                   rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                   max_position_embeddings=256, num_aux_hidden_states=3, target_vocab_size=512, draft_vocab_size=256)
 
 
 @dataclass(frozen=True)
@@ -130,14 +135,23 @@ def tiny_head():
     return load_target_head(world.head_path, read_target_config(world.target_dir))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
+@contextlib.contextmanager
+def single_thread():
     """One intra-op thread: these tensors are tiny, and a second thread only adds contention
     (with another process busy on the second core, a 200x128 matmul took 15 ms instead of 0.1)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """single_thread() around each test that imports this fixture."""
+    with single_thread():
+        yield
 
 
 TRAIN_KW = dict(learning_rate=3e-3, warmup_steps=5, batch_tokens=200, ttt_steps=3)
@@ -151,15 +165,11 @@ def trained_run():
     world = tiny_world()
     out = world.root / "trained"
     config = TrainConfig(steps=60, checkpoint_every=30, **TRAIN_KW)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         return train_draft(
             config, store_dir=world.train_store, target_dir=world.target_dir, head_path=world.head_path,
             vocab_path=world.vocab_path, out_dir=out,
         )
-    finally:
-        torch.set_num_threads(before)
 
 
 @functools.cache
@@ -170,14 +180,10 @@ def trained_and_exported(draft, name: str) -> tuple[Path, Path]:  # noqa: ANN001
     from eagle3.draft.train import TrainConfig, train_draft
 
     world = tiny_world()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         result = train_draft(TrainConfig(steps=40, checkpoint_every=40, draft=draft, **TRAIN_KW),
                              store_dir=world.train_store, target_dir=world.target_dir, head_path=world.head_path,
                              vocab_path=world.vocab_path, out_dir=world.root / f"trained-{name}")
-    finally:
-        torch.set_num_threads(before)
     export = export_draft(result.checkpoint, world.root / f"export-{name}", target_dir=world.target_dir,
                           aux_layer_ids=AUX_LAYER_IDS, vocab_path=world.vocab_path)
     return result.checkpoint, export

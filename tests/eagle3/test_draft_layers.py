@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, resolve
 from eagle3.draft.train_config import TrainConfig
-from tests.eagle3.draft_fixtures import HIDDEN, TRAIN_KW, one_thread, tiny_world, trained_and_exported  # noqa: F401
+from tests.eagle3.draft_fixtures import (  # noqa: F401
+    HIDDEN, SMALL_DRAFT, TRAIN_KW, one_thread, tiny_world, trained_and_exported)
 
 TWO_LAYERS = DraftSettings(num_layers=2)
 
@@ -66,9 +67,7 @@ def test_the_second_layer_changes_what_the_draft_computes_and_learns():
     from eagle3.draft.vocab import load_mapping
     from tests.eagle3.draft_fixtures import tiny_head
 
-    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                max_position_embeddings=256, num_aux_hidden_states=3, target_vocab_size=512, draft_vocab_size=256)
+    base = SMALL_DRAFT
     torch.manual_seed(0)
     one = Eagle3Draft(DraftConfig(**base))
     two = Eagle3Draft(DraftConfig(**base, num_layers=2))

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from eagle3.draft.architecture import DraftSettings
 from eagle3.draft.train_config import TrainConfig
-from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, one_thread, trained_and_exported  # noqa: F401
+from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, SMALL_DRAFT, one_thread, trained_and_exported  # noqa: F401
 from tests.eagle3.vllm_drafter import assert_vllm_computes_our_llama_draft
 
 EAGLE_3_1 = DraftSettings(fc_norm=True, norm_output=True)
@@ -72,9 +72,7 @@ def test_each_flag_alone_changes_what_the_draft_computes(flags):
     """Either flag alone is a different draft (the two are independent in vLLM and speculators too)."""
     from eagle3.draft.model import DraftConfig, Eagle3Draft
 
-    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                max_position_embeddings=256, num_aux_hidden_states=3, target_vocab_size=512, draft_vocab_size=256)
+    base = SMALL_DRAFT
     torch.manual_seed(0)
     plain = Eagle3Draft(DraftConfig(**base))
     # a final norm of weight 1 would hide norm_output: the next step reads its hidden through hidden_norm, and an
