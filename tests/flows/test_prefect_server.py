@@ -84,17 +84,32 @@ def test_the_servers_eagle3_starts_create_the_automation_while_the_lock_is_held(
     _ensure_zombie_automation(url, timeout_s=30)  # idempotent: read, not created twice
 
 
-def test_prefect_s_own_server_hangs_there_and_deploy_says_what_to_do(server_holding_the_lock):
+def test_prefect_s_own_server_hangs_there_and_deploy_says_what_to_do(server_holding_the_lock, monkeypatch):
     """The same with Prefect 3.7.7's own create_app (what a user's `prefect server start` runs): the server stops
     answering anything, and the setup step ends in one DeployError that names the server and says to restart it,
-    instead of the client's six 60-second attempts."""
+    after one attempt of each request to the automations API, bounded by the timeout it was given (10 s), instead of
+    the client's six 60-second attempts. The attempts are counted as the client sends them (its retries included) and
+    their timeout read from the requests, not timed."""
+    import httpx
+
     from flows.deploy import DeployError
 
+    sent: list[tuple[str, object]] = []  # (path, read timeout) of every attempt, retries included
+    real_send = httpx.Client.send
+
+    def counting_send(self, request, *args, **kwargs):  # noqa: ANN001, ANN202 - httpx's own signature
+        sent.append((request.url.path, (request.extensions.get("timeout") or {}).get("read")))
+        return real_send(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.Client, "send", counting_send)
     url = server_holding_the_lock(fixed=False)
-    started = time.time()
     with pytest.raises(DeployError) as err:
         _ensure_zombie_automation(url, timeout_s=10)
-    assert time.time() - started < 60
+    # each request to the automations API (the read, then the create that hangs) sent once, with the 10 s read
+    # timeout: no retries, no 60 s default
+    automations = [(path, read) for path, read in sent if "/automations" in path]
+    assert automations and all(read == 10 for _, read in automations), sent
+    assert len({path for path, _ in automations}) == len(automations), sent
     message = str(err.value)
     assert url in message and "restart that server" in message and "prefect#23055" in message, message
     assert not _answers(url)  # the bug is real in the pinned Prefect: without the fix nothing answers again
