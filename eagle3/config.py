@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagle3.capture.extract import ExtractConfig, storage_dtype
+from eagle3.capture.vllm_adapter import cuda_mla_dtype_problem
 from eagle3.capture.regenerate import RegenerateConfig, template_kwargs_problem
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems, read_chat_template
@@ -184,6 +185,11 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
         problems.append(problem)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems += parallel_problems(config.target, Path(info.model_dir), gpus)
+    if gpus:  # MLA in float32 has no CUDA attention backend: refused here, not half-way into a load
+        engine = config.regenerate.enabled or config.extract.backend == "vllm" or config.train.data != "store"
+        vllm_dtypes = [("target.dtype", config.target.dtype)] if engine else []
+        vllm_dtypes += [("eval.served_dtype", config.eval.served_dtype)] if config.eval.served else []
+        problems += [p for setting, dtype in vllm_dtypes if (p := cuda_mla_dtype_problem(info.model_dir, dtype, setting))]
     problems += placement_problems(**_placement(config), visible=visible_gpus())  # no CUDA here, or GPUs not visible
     if config.target.data_parallel_size > 1 and config.extract.backend != "vllm":
         problems.append(f"target.data_parallel_size={config.target.data_parallel_size} runs vLLM engines, but "

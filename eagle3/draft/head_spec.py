@@ -149,12 +149,13 @@ def _probe_norm(norm: nn.Module, target_dir: Path) -> tuple[str, float]:
     probe = copy.deepcopy(norm).to_empty(device="cpu").float()
     g = torch.Generator().manual_seed(0)
     hidden = params["weight"].shape[0]
+    f32 = torch.float32  # explicit: an in-process vLLM engine on a GPU leaves torch's default dtype at bfloat16
     with torch.no_grad():
         for p in probe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            p.copy_(torch.randn(p.shape, generator=g, dtype=f32) * 0.5)
         w = probe.weight
-        b = probe.bias if "bias" in params else torch.zeros(hidden)
-        x = torch.randn(3, hidden, generator=g) * 2.0 + 0.7  # a mean far from 0 tells LayerNorm from RMSNorm
+        b = probe.bias if "bias" in params else torch.zeros(hidden, dtype=f32)
+        x = torch.randn(3, hidden, generator=g, dtype=f32) * 2.0 + 0.7  # a mean far from 0 tells LayerNorm from RMSNorm
         try:
             y = probe(x)
         except Exception as err:  # noqa: BLE001 - any way the module refuses one argument

@@ -128,6 +128,8 @@ def _fix_config(out: Path, wanted: dict) -> None:
 # -- Kimi-K2.5 ---------------------------------------------------------------------------
 KIMI_VISION = dict(
     model_type="kimi_k25_vision", patch_size=14, pos_emb_height=16, pos_emb_width=16, pos_emb_time=4,
+    # the same sizes under the older names, which vLLM 0.25's tower reads (its default is the real model's 64)
+    init_pos_emb_height=16, init_pos_emb_width=16, init_pos_emb_time=4,
     num_attention_heads=2, num_hidden_layers=2, hidden_size=64, intermediate_size=128, hidden_act="gelu_pytorch_tanh",
     merge_kernel_size=[2, 2],
 )

@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3.capture.store import Sample, StoreWriter
 from eagle3.draft.target_head import extract_target_head, load_target_head, read_target_config
 from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
+from tests.on_device import TINY_TRAIN_ON_DEVICE
 
 NUM_LAYERS = 8
 HIDDEN = 64
@@ -154,7 +155,7 @@ def one_thread():
         yield
 
 
-TRAIN_KW = dict(learning_rate=3e-3, warmup_steps=5, batch_tokens=200, ttt_steps=3)
+TRAIN_KW = dict(learning_rate=3e-3, warmup_steps=5, batch_tokens=200, ttt_steps=3, **TINY_TRAIN_ON_DEVICE)
 
 
 @functools.cache

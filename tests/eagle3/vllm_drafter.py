@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from tests.on_device import DTYPE, assert_close
+
 
 def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, dict, dict]:  # noqa: ANN001 - vllm.LLM
     """Greedy-generate 2 tokens from `prompt` on an in-process engine that serves a draft, shut the engine down, and
     return (vLLM's draft module, its first forward, its second): the first reads the whole prompt, the second the
     one token the first drafted. Each call: input_ids, positions, hidden_states (what the forward read), aux (the
     target's aux states before any norm, [T, n_aux*H]), fc_input (what fc read), logits (over the target vocabulary)
-    and handed_on (the hidden the forward hands the next step)."""
+    and handed_on (the hidden the forward hands the next step), each on the CPU."""
     from eagle3.capture import vllm_adapter
 
     try:
@@ -26,10 +28,10 @@ def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, d
         model.model.fc.register_forward_hook(lambda m, args, out: fc_inputs.append(args[0].detach().clone()))
 
         def record(module, args, kwargs, out):  # noqa: ANN001, ANN202
-            calls.append({"input_ids": kwargs["input_ids"].clone(), "positions": kwargs["positions"].clone(),
-                          "hidden_states": kwargs["hidden_states"].clone(), "aux": aux[-1] if aux else None,
-                          "fc_input": fc_inputs[-1] if fc_inputs else None,
-                          "logits": module.compute_logits(out[0]).detach().clone(), "handed_on": out[1].detach().clone()})
+            calls.append({"input_ids": kwargs["input_ids"].cpu(), "positions": kwargs["positions"].cpu(),
+                          "hidden_states": kwargs["hidden_states"].detach().cpu(), "aux": aux[-1].cpu() if aux else None,
+                          "fc_input": fc_inputs[-1].cpu() if fc_inputs else None,
+                          "logits": module.compute_logits(out[0]).detach().cpu(), "handed_on": out[1].detach().cpu()})
 
         model.register_forward_hook(record, with_kwargs=True)
         vllm_adapter.greedy_generate(llm, [prompt], max_new_tokens=2)
@@ -41,10 +43,11 @@ def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, d
 
 
 def assert_vllm_computes_our_llama_draft(export) -> torch.nn.Module:  # noqa: ANN001 - a Path
-    """Serve the tiny target with the Llama-style draft exported in `export` (float32, 2 speculative tokens) and
-    check that vLLM's first draft forward (the whole 13-token prompt) and its second (one row: the token the first
-    drafted) give our module's fused hidden, handed-on hidden and logits (within 1e-5, 1e-5 and 1e-4), our module
-    unrolled as in training with one TTT cache per layer. Returns vLLM's draft module for setting-specific checks."""
+    """Serve the tiny target with the Llama-style draft exported in `export` (2 speculative tokens, in this device's
+    dtype: tests/on_device.py) and check that vLLM's first draft forward (the whole 13-token prompt) and its second
+    (one row: the token the first drafted) give our module's fused hidden, handed-on hidden and logits (float32:
+    within 1e-5, 1e-5 and 1e-4; else the dtype's tolerance), our module unrolled as in training with one TTT cache
+    per layer. Returns vLLM's draft module for setting-specific checks."""
     from eagle3.capture import vllm_adapter
     from eagle3.draft.export import load_exported_draft
     from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, tiny_world
@@ -52,24 +55,24 @@ def assert_vllm_computes_our_llama_draft(export) -> torch.nn.Module:  # noqa: AN
     ours, mapping = load_exported_draft(export)
     world = tiny_world()
     vllm_adapter.release_all()
-    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype="float32", max_model_len=64, kv_cache_gib=1,
+    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=64, kv_cache_gib=1,
                                            speculative_dir=str(export), num_speculative_tokens=2)
     prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
-    embed = theirs.model.embed_tokens.weight.detach().float()  # the target's, shared
+    embed = theirs.model.embed_tokens.weight.detach().float().cpu()  # the target's, shared
     with torch.no_grad():
         aux = first["aux"].float().view(len(prompt), len(AUX_LAYER_IDS), -1)  # [T, n_aux * H] -> [T, n_aux, H]
         hidden = ours.fuse(aux)
-        torch.testing.assert_close(hidden, first["hidden_states"].float(), atol=1e-5, rtol=0)
+        assert_close(hidden, first["hidden_states"], atol=1e-5)
         caches = ours.new_caches(None, len(prompt), hidden.device, hidden.dtype)
         logits0, next0 = ours.logits_and_next(ours.step(embed[first["input_ids"]], hidden, first["positions"], caches))
-        torch.testing.assert_close(next0, first["handed_on"].float(), atol=1e-5, rtol=0)
-        torch.testing.assert_close(next0[-1:], second["hidden_states"].float(), atol=1e-5, rtol=0)
+        assert_close(next0, first["handed_on"], atol=1e-5)
+        assert_close(next0[-1:], second["hidden_states"], atol=1e-5)
         tokens = torch.zeros(len(prompt), dtype=torch.long)
         tokens[-1] = second["input_ids"][0]  # only the last row's second step is vLLM's
         logits1, _ = ours.logits_and_next(ours.step(embed[tokens], next0, first["positions"] + 1, caches))
     ids = mapping.target_ids
-    torch.testing.assert_close(logits0, first["logits"][:, ids].float(), atol=1e-4, rtol=0)
-    torch.testing.assert_close(logits1[-1:], second["logits"][:, ids].float(), atol=1e-4, rtol=0)
+    assert_close(logits0, first["logits"][:, ids], what="vLLM's Llama-style draft vs ours, first forward's logits")
+    assert_close(logits1[-1:], second["logits"][:, ids], what="vLLM's Llama-style draft vs ours, second forward's logits")
     assert logits0.std() > 0.1  # trained logits, not a degenerate comparison
     return theirs
