@@ -5,12 +5,16 @@ its own working folder, builtin-target cache and gpu slot). The parent run is `e
 tiny` from a third folder with `artifact_root` in the bucket and `extract.parts=2`.
 
 What the tests show:
-- both parts' flow runs overlap in time, one on each worker, and the assembled store equals a
-  one-machine run's store (local artifacts, one process), sample for sample (ids, masks, states
-  within 1e-4); nothing in the bucket is under a temporary name;
-- a parent stopped by Ctrl-C (SIGINT to its process group) once both parts run exits 130 before its
-  parts end (they go on, on the workers), and started again waits for those two part runs (each
-  attempt's flow run has an idempotency key) instead of starting more;
+- the parent starts both parts' flow runs before either has ended (seen: when both runs exist,
+  neither is final; a parent that ran them in turn would start the second only once the first had
+  ended), each runs on its own worker (its run folder is on that machine), and the assembled store
+  equals a one-machine run's store (local artifacts, one process), sample for sample (ids, masks,
+  states within 1e-4); nothing in the bucket is under a temporary name;
+- a parent stopped by Ctrl-C (SIGINT to its process group) once both parts exist and one runs exits
+  130 without waiting for its parts: its `part` tasks, which wait for the part runs, end Crashed
+  (stopped by the interrupt; a task that waited to the end would be Completed) while the part runs go
+  on, on the workers, to Completed; started again, it waits for those two part runs (each attempt's
+  flow run has an idempotency key) instead of starting more;
 - the same command again: every stage Cached, no target loaded, no part run started;
 - one worker SIGKILLed (its process group: worker, flow run, engine) once its part's first shard is
   in the bucket: its run is set Crashed by the heartbeat automation, the part is started again and
@@ -22,15 +26,20 @@ What the tests show:
   tests/eagle3/test_storage.py and the store's own resume tests, not by this e2e kill;
 - `eagle3 sweep --preset tiny --grid train.learning_rate=1e-3,3e-3 --on-workers` with `artifact_root`
   in the bucket, stopped by Ctrl-C once both point runs exist and one runs (it exits 130 before they
-  end) and started again: the parent extracts once (one target load, in the first); the two points'
-  train-eagle3 flow runs overlap in time, one on each worker, each with `extract` Cached and no
-  target load there; the second parent waits for those two runs and starts none; the report has
-  both points and names the best export; the same command again is all Cached and starts no run (the
-  workers here ask for runs every 2 s, `PREFECT_WORKER_QUERY_SECONDS=2`: each tiny chain is about
-  15 s of work);
+  end: its `point` tasks end Crashed) and started again: the parent extracts once (one target load,
+  in the first); the two points' train-eagle3 flow runs are started before either ended, one on
+  each worker, each with `extract` Cached and no target load there; the second parent waits for
+  those two runs and starts none; the report has both points and names the best export; the same
+  command again is all Cached and starts no run (the workers here ask for runs every 2 s,
+  `PREFECT_WORKER_QUERY_SECONDS=2`: each tiny chain is about 15 s of work);
 - `artifact_root=s3://no-such-bucket/x` fails with exit 2 and the URL named, before any stage; so do
   `extract.parts=2` or `sweep --on-workers` with `artifact_root` unset or relative (the workers could
   not reach the artifacts) and with no Prefect server configured (a temporary server has no workers).
+
+None of this is read from timestamps: on a loaded 2-core machine one worker's flow-run process took
+longer to start than the other's whole run (the second part started 2 s after the first ended), so
+runs handed out together need not overlap in time. What is asserted is what the parent and the
+workers did: the runs' states when both existed, whose folder holds each run, the parent's tasks.
 
 Measured on a 2-core machine, nothing else running: the module in 377 s on 2026-12-01 (fixtures 56 s,
 the two-worker test 95 s, the sweep 77 s, the kill 108 s, the bad settings 40 s). Its Ctrl-C tests
@@ -181,6 +190,35 @@ def _runs_of(env: dict[str, str], url: str, deployment: str = "extract-part") ->
     return [r for r in runs if r.parameters["config"]["artifact_root"] == url]
 
 
+def _wait_for_two(env: dict[str, str], url: str, deployment: str, parent: subprocess.Popen) -> list:
+    """The two flow runs of `deployment` at `url` once both exist and one runs (the moment to Ctrl-C the parent);
+    asserts that neither had ended when both were first seen: the parent started the second before the first ended.
+    (A parent that ran them in turn would start the second only once the first had ended. Waiting for both to be
+    Running at one poll raced on a busy 2-core CI machine: a tiny run can end before the other worker's poll.)"""
+    deadline, first_seen = time.time() + 300, None
+    while len(runs := _runs_of(env, url, deployment)) < 2 or not any(r.state.is_running() for r in runs):
+        assert parent.poll() is None and time.time() < deadline, parent.communicate()[1][-3000:]
+        if len(runs) == 2 and first_seen is None:
+            first_seen = [r.state for r in runs]
+        time.sleep(0.2)
+    first_seen = first_seen or [r.state for r in runs]
+    assert not any(s.is_final() for s in first_seen), f"one run had ended before the other was started: {first_seen}"
+    return runs
+
+
+def _parent_tasks(env: dict[str, str], runs: list, task: str) -> list[str]:
+    """The states of the `task` task runs (the ones that wait for `runs`) in the parent flow run that started `runs`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        parents = {client.read_task_run(r.parent_task_run_id).flow_run_id for r in runs}
+        assert len(parents) == 1, parents  # one parent started both
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(parents))))
+    return sorted(t.state.name for t in tasks if t.name.startswith(f"{task}-"))
+
+
 def _samples(store: Path) -> dict[str, tuple]:
     from eagle3.capture.store import StoreReader
 
@@ -217,38 +255,36 @@ def one_machine_store(cluster, tmp_path_factory) -> Path:
 
 
 def test_two_workers_extract_the_parts_at_once_and_a_rerun_is_all_cached(cluster, one_machine_store, tmp_path):
-    """Also: a parent stopped by Ctrl-C and started again takes up the part runs it had started."""
+    """The parent starts both part runs before either ended and each machine runs one; the assembled store equals a
+    one-machine run's; the same command again is all Cached. Also: a parent stopped by Ctrl-C does not wait for its
+    parts (its `part` tasks end Crashed while the part runs go on to Completed), and started again it takes up the
+    part runs it had started."""
     env, root, workers = cluster
     url = f"s3://{BUCKET}/together"
     args = _args(url)
+    for worker in workers.values():  # both ask for runs before the parts exist: one part each, with --limit 1
+        worker.wait_polling()
     # Ctrl-C once the parent has started both part runs and a worker runs one (SIGINT to the terminal's process
     # group): the parent is then waiting for its parts. Then the same command again: it waits for the two part
-    # runs the first one started instead of starting more. (Waiting for both to be Running at one poll raced on
-    # a busy 2-core CI machine: a tiny part can finish before the other worker's poll, and the parent then ran
-    # to the end before any Ctrl-C.)
+    # runs the first one started instead of starting more.
     (tmp_path / "parent").mkdir()
     first_try = _start(args, tmp_path / "parent", env)
-    deadline = time.time() + 300
-    while len(runs := _runs_of(env, url)) < 2 or not any(r.state.is_running() for r in runs):
-        assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
-        time.sleep(0.2)
-    assert not all(r.state.is_final() for r in runs)  # the Ctrl-C lands while the parts are under way
+    runs = _wait_for_two(env, url, "extract-part", first_try)
     os.killpg(first_try.pid, signal.SIGINT)
     assert first_try.wait(timeout=120) == 130, first_try.communicate()[1][-3000:]
-    exited, deadline = datetime.now(timezone.utc), time.time() + 300
-    # ... and the terminal is back at once: the parent does not sit until its parts end (they go on, on the workers)
-    while not all(r.state.is_final() for r in runs):
+    deadline = time.time() + 300
+    while not all(r.state.is_final() for r in runs):  # the part runs go on, on the workers
         assert time.time() < deadline, [r.state for r in runs]
         time.sleep(0.5)
         runs = _runs_of(env, url)
-    assert exited < max(r.end_time for r in runs), f"the parent exited at {exited}, after its parts ended: " \
-        f"{[(r.start_time, r.end_time) for r in runs]}"
+    assert all(r.state.is_completed() for r in runs), [r.state for r in runs]
+    # ... and the terminal was back without waiting for them: the parent's tasks that wait for the part runs were
+    # stopped by the Ctrl-C (Crashed), not Completed with their run; at least the one whose run was not over
+    assert "Crashed" in _parent_tasks(env, runs, "part"), _parent_tasks(env, runs, "part")
     done = _eagle3(args, tmp_path / "parent", env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = _runs_of(env, url)
     assert len(runs) == 2 and all(r.state.is_completed() for r in runs)
-    first, second = sorted(runs, key=lambda r: r.start_time)
-    assert second.start_time < first.end_time, f"the two parts did not run at the same time: {[(r.start_time, r.end_time) for r in runs]}"
     assert len(workers["a"].parts_run_here()) == 1 and len(workers["b"].parts_run_here()) == 1  # one part per machine
     # The assembled store equals a one-machine run's (one process, local artifacts), sample for sample.
     _assert_same_store(_artifact(tmp_path / "parent", "run", "assemble"), one_machine_store)
@@ -310,39 +346,37 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, one_machine_st
 
 def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_cached(cluster, tmp_path):
     """`eagle3 sweep --on-workers`: the parent extracts once; each grid point's chain is a train-eagle3 flow run on
-    the gpu pool, one per machine, at the same time; the report has both points; the same command again is all
-    Cached and starts no run. Also: Ctrl-C once both point runs exist and a worker runs one gives the terminal back
-    before they end, and the same command again waits for those runs instead of starting more."""
+    the gpu pool, both started before either ended, one per machine; the report has both points; the same command
+    again is all Cached and starts no run. Also: Ctrl-C once both point runs exist and a worker runs one gives the
+    terminal back without waiting for them (the sweep's `point` tasks end Crashed, the point runs go on to
+    Completed), and the same command again waits for those runs instead of starting more."""
     import json
 
     env, _, workers = cluster
     for worker in workers.values():  # the previous test restarted one: both must poll before the points can overlap
         worker.wait_polling()
     url = f"s3://{BUCKET}/sweep"
-    # 150 steps: a chain of some 15 s of work, longer than a worker's poll (2 s here), so that the two overlap
+    # 150 steps: a chain of some 15 s of work, longer than a worker's poll (2 s here): the Ctrl-C lands while the
+    # point runs are under way, and each worker takes one
     settings = TINY + [f"artifact_root={url}", "train.steps=150", "train.checkpoint_every=75"]
     args = ["sweep", "--preset", "tiny", *[a for s in settings for a in ("--set", s)],
             "--grid", "train.learning_rate=1e-3,3e-3", "--on-workers", "--run-dir", "sweep"]
     first_try = _start(args, tmp_path, env)
-    deadline = time.time() + 300
-    while len(runs := _runs_of(env, url, "train-eagle3")) < 2 or not any(r.state.is_running() for r in runs):
-        assert first_try.poll() is None and time.time() < deadline, first_try.communicate()[1][-3000:]
-        time.sleep(0.2)
+    runs = _wait_for_two(env, url, "train-eagle3", first_try)  # the second point started before the first ended
     os.killpg(first_try.pid, signal.SIGINT)
     assert first_try.wait(timeout=120) == 130, first_try.communicate()[1][-3000:]
-    exited = datetime.now(timezone.utc)
-    while not all(r.state.is_final() for r in runs):
+    deadline = time.time() + 300
+    while not all(r.state.is_final() for r in runs):  # the point runs go on, on the workers
         assert time.time() < deadline, [r.state for r in runs]
         time.sleep(0.5)
         runs = _runs_of(env, url, "train-eagle3")
-    assert exited < max(r.end_time for r in runs), f"the sweep exited at {exited}, after its points ended: " \
-        f"{[(r.start_time, r.end_time) for r in runs]}"
+    assert all(r.state.is_completed() for r in runs), [r.state for r in runs]
+    # the sweep did not wait for them: its tasks that wait for the point runs were stopped by the Ctrl-C
+    assert "Crashed" in _parent_tasks(env, runs, "point"), _parent_tasks(env, runs, "point")
     done = _eagle3(args, tmp_path, env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = _runs_of(env, url, "train-eagle3")
     assert len(runs) == 2 and all(r.state.is_completed() for r in runs)
-    first, second = sorted(runs, key=lambda r: r.start_time)
-    assert second.start_time < first.end_time, f"the points did not train at the same time: {[(r.start_time, r.end_time) for r in runs]}"
     ran_on = {name: sorted(p.name for p in (w.folder / "sweep").glob("point-*")) for name, w in workers.items()}
     assert sorted(sum(ran_on.values(), [])) == ["point-1", "point-2"] and all(ran_on.values()), ran_on  # one per machine
     for worker in workers.values():  # each point came back Cached from the bucket up to vocab: no target loaded there
