@@ -32,6 +32,9 @@ def _marker_stats(artifact: str) -> dict:
 
 
 def test_killed_during_train_then_resumed_then_fully_cached(tmp_path: Path, cli_env):
+    """SIGKILLed mid-training, the same command resumes from the last checkpoint without loading the target again;
+    a third time every stage is Cached and the target is still loaded once in all (what the third run did, not how
+    long it took: a loaded CI machine made that vary)."""
     run_dir = tmp_path / "run"
     args = ["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", "train.steps=400", "--set", "train.checkpoint_every=25"]
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=cli_env,
@@ -61,11 +64,10 @@ def test_killed_during_train_then_resumed_then_fully_cached(tmp_path: Path, cli_
     assert "train" in second.stdout and "Cached" in second.stdout  # one printed line per stage
     assert _summary(run_dir)["acceptance_length"] >= 1.0
 
-    started = time.time()
+    # the same command a third time does no work: every stage Cached, the target not loaded again
     third = run_cli(args, cli_env)
     assert third.returncode == 0, third.stderr[-3000:]
     assert set(_states(run_dir).values()) == {"Cached"}
-    assert time.time() - started < 120
     assert _loads(run_dir) == 1
 
 
