@@ -1,7 +1,10 @@
 """The README's first way to run, stopped the ways users stop it (issue 13): `eagle3 run` with NO
 Prefect server configured, killed with SIGKILL and interrupted with Ctrl-C (SIGINT to the whole
-process group, as a terminal sends it) while it holds the `gpu` slot. Every later run must still
-get the slot, and finish.
+process group, as a terminal sends it) while it holds the `gpu` slot. The Ctrl-C'd run stops there (no
+train artifact is completed after it), says how to resume, and gives the slot back; every later run must
+still get the slot, and finish. What is asserted is what the run did, not how fast it did it: the one bound
+on time (60 s for the Ctrl-C'd run to exit; it took under a second on 2 cores) is a guard against a hang or
+a run that goes on to the end (about a minute here, and then its train artifact is there).
 """
 
 from __future__ import annotations
@@ -62,12 +65,17 @@ def test_sigkill_then_ctrl_c_while_holding_the_slot_without_a_server(tmp_path, b
     assert acquired["waited"] < 60, acquired
     time.sleep(2.0)
     before = len(log2.read_text().splitlines())
-    sent = time.time()
     os.killpg(interrupted.pid, signal.SIGINT)
-    code = interrupted.wait(timeout=60)
-    took = time.time() - sent
+    try:  # a guard, not a speed bound: it exits within a second or two (one that hung would be stopped here)
+        code = interrupted.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(interrupted.pid, signal.SIGKILL)
+        interrupted.wait()
+        raise AssertionError(f"Ctrl-C did not stop the run in 60 s:\n{log2.read_text()[-3000:]}") from None
     after = log2.read_text().splitlines()[before:]
-    assert code != 0 and took < 30, (code, took)
+    assert code != 0, code
+    # it stopped where it was: the run did not go on to train (a complete train artifact has its marker)
+    assert not list(run_dir.glob("artifacts/train/*/.eagle3-complete.json")), after
     assert any(line.startswith("interrupted:") and "run the same command again" in line for line in after), after
     assert len(after) <= 5, after  # no tracebacks, no "Error logging to API" flood
     assert [e["event"] for e in _slot_events(run_dir)][-1] == "released"  # given back before the server stopped
