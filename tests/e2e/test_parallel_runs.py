@@ -84,7 +84,7 @@ def _kill_mid_extraction(run_dir: Path, env: dict[str, str], log: Path, *extra: 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert done < total, f"the extraction finished ({done}/{total}) before the kill: nothing was tested"
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # a guard against processes that never go; they follow in seconds
     while _session_processes(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
     assert _session_processes(proc.pid) == [], "processes of the killed run are still alive"
