@@ -180,7 +180,47 @@ def _read_all(fd: int, into: list[bytes]) -> None:
         into.append(chunk)
 
 
-def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retried: dict, tmp_path: Path):
+# Holds the `gpu` slot (as a run does, through tasks.gpu_slot) until the file argv[2] exists.
+SLOT_HOLDER = """
+import sys, time
+from pathlib import Path
+from prefect import flow
+from tasks.gpu_slot import gpu_slot
+
+@flow
+def hold() -> None:
+    with gpu_slot(Path(sys.argv[1]), "target"):
+        print("holding", flush=True)
+        while not Path(sys.argv[2]).exists():
+            time.sleep(0.2)
+
+hold()
+"""
+
+
+def _asking(run_dirs: list[Path]) -> set[str]:
+    """Which of `run_dirs` have a holder note without a lease (tasks.gpu_slot writes it just before it asks for the
+    slot, and adds the lease once it has it): the runs waiting for the slot."""
+    from tasks.gpu_slot import _read_notes
+
+    return {h["run_dir"] for _, h in _read_notes() if not h.get("lease_id")} & {str(d) for d in run_dirs}
+
+
+def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retried: dict, tmp_path: Path, monkeypatch):
+    """Two runs started together never hold the GPUs at the same time, and one waits for the other's release. That
+    they compete does not depend on how fast each starts: the test holds the slot itself until both are waiting for
+    it, so whichever gets it second asked before the first one gave it back."""
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", served.env["EAGLE3_CACHE_DIR"])  # where the runs note they wait (_asking)
+    release = tmp_path / "release-holder"
+    holder = subprocess.Popen([sys.executable, "-c", SLOT_HOLDER, str(tmp_path / "holder"), str(release)], cwd=ROOT,
+                              env=served.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []  # Prefect's own lines come first
+    for line in holder.stdout:
+        if line.strip() == "holding":
+            break
+        seen.append(line)
+    else:
+        raise AssertionError(f"the slot holder exited ({holder.wait()}): {''.join(seen)[-3000:]}")
     procs, terminal = {}, []
     master, slave = pty.openpty()  # run a's stderr is a terminal: it shows progress bars there
     for name in ("a", "b"):  # upstream cached (a copy of the retried run's artifacts); train, export, evaluate run
@@ -192,6 +232,15 @@ def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retrie
     os.close(slave)
     reader = threading.Thread(target=_read_all, args=(master, terminal), daemon=True)
     reader.start()
+    deadline = time.time() + 600  # a guard: both start in seconds
+    while _asking([tmp_path / "a", tmp_path / "b"]) != {str(tmp_path / "a"), str(tmp_path / "b")}:
+        if time.time() > deadline or any(proc.poll() is not None for proc in procs.values()):
+            for proc in [*procs.values(), holder]:
+                proc.kill()
+            raise AssertionError(f"the two runs did not both wait for the slot: {[p.poll() for p in procs.values()]}")
+        time.sleep(0.2)
+    release.touch()  # both are waiting: the slot goes to one, the other waits for its release
+    assert holder.wait(timeout=120) == 0
     outputs = {name: proc.communicate(timeout=900)[0] for name, proc in procs.items()}
     reader.join(timeout=10)
     os.close(master)
@@ -199,7 +248,8 @@ def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retrie
     assert f"train         [{'#' * BAR_WIDTH}] 6/6 steps" in b"".join(terminal).decode(errors="replace")
     a, b = _blocks(tmp_path / "a"), _blocks(tmp_path / "b")
     assert len(a) == len(b) == 2
-    # Not vacuous: some block was asked for before the other run released one, and got only after that release.
+    # They competed (sure, since both waited for the test's holder): some block was asked for before the other run
+    # released one, and got only after that release.
     asks = {n: [(e["time"] - e["waited"], e["time"]) for e in _slot_events(tmp_path / n) if e["event"] == "acquired"] for n in "ab"}
     waited_for_other = [(asked, got) for n, other in (("a", b), ("b", a)) for asked, got in asks[n]
                         if any(asked < end <= got for _, end in other)]
