@@ -19,7 +19,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
-# The tests that need CUDA and the CUDA vLLM (docs/gpu.md), in bfloat16: the vLLM tests of `make test` run again on the
+# The tests that need CUDA and the CUDA vLLM (docs/gpu-install.md "make test-gpu"), in bfloat16: the vLLM tests of `make test` run again on the
 # GPU (marker vllm) beside the GPU-only ones (marker gpu). On a GPU machine with the `gpu` extra in .venv
 # (docs/gpu-install.md), or with the carried vLLM kit (.vk/env.sh, ../shared/tools/device-vllm). Never part of `make test`.
 GPU_TESTS ?= tests/eagle3/test_capture_vllm.py tests/eagle3/test_served_eval.py tests/eagle3/test_mla_draft.py \

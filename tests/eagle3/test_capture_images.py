@@ -126,11 +126,12 @@ def test_image_placeholders_are_expanded_by_the_engine_and_masked_out_of_the_los
 def test_states_equal_transformers_on_the_same_processed_inputs(run):
     """transformers runs the whole Kimi-K2.5 (MoonViT, projector, DeepseekV3) on vLLM's processed image (its
     processor needs torchvision, not installed here) and the engine's expanded ids: equal at every position."""
-    from transformers import AutoModelForImageTextToText
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
     config, target, _, _, loads, (_, prepared, extracted), _ = run
-    reference = AutoModelForImageTextToText.from_pretrained(target.stats["model_dir"], dtype=TORCH_DTYPE).to(DEVICE).eval()
-    assert type(reference).__name__ == "Kimi_K25ForConditionalGeneration"
+    model_dir = target.stats["model_dir"]  # transformers' own config class: vLLM 0.25 registers its own for kimi_k25
+    reference = Kimi_K25ForConditionalGeneration.from_pretrained(
+        model_dir, config=Kimi_K25Config.from_pretrained(model_dir), dtype=TORCH_DTYPE).to(DEVICE).eval()
     prepared_samples = {s.id: s for s in read_samples(prepared.path / "train.jsonl")}
     for stored in StoreReader(extracted.path / "train"):
         sample = prepared_samples[stored.sample_id]
@@ -212,6 +213,8 @@ def test_a_warm_engine_captures_and_regenerates_images_as_the_in_process_engine(
     assert (regen.path / "conversations.jsonl").read_text() == (local_regen.path / "conversations.jsonl").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="tensor_parallel_size 2 on CUDA needs 2 GPUs (the CPU build splits the cores instead)")
 def test_tensor_parallel_2_captures_and_regenerates_images_as_tp1(run):
     """target.tensor_parallel_size 2 (vLLM's mp executor, two real worker processes on the CPU), in this process and
     through a warm engine: the same ids and masks as TP 1, states within 1e-4, the same greedy answers."""

@@ -332,3 +332,19 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
     assert served["prompt_tokens"] == as_stored
     assert served["identical"] == served["num_prompts"] and served["num_drafts"] > 0
     assert "held images and were sent with them" in (record.path / "acceptance.md").read_text()
+
+
+def test_float32_mla_on_cuda_is_refused_naming_the_setting_and_16_bit_or_other_targets_pass(tmp_path: Path):
+    """vLLM's CUDA MLA attention takes 16-bit dtypes only ("No valid attention backend found for cuda ...
+    use_mla=True" mid-load on vLLM 0.25). The rule the pre-load checks use (eagle3.config.check_against_target on a
+    machine with GPUs, vllm_adapter before each CUDA load) names the setting that asked for float32."""
+    from eagle3.capture.vllm_adapter import cuda_mla_dtype_problem
+
+    dsv3 = arch_builders.build_deepseek_v3(tmp_path / "dsv3", num_layers=LAYERS)
+    kimi = arch_builders.build_kimi_k25(tmp_path / "kimi", num_layers=LAYERS)
+    for model, setting in ((dsv3, "target.dtype"), (kimi, "eval.served_dtype")):
+        problem = cuda_mla_dtype_problem(model, "float32", setting)
+        assert problem is not None and problem.startswith(f"{setting}='float32' cannot run the MLA target {model}")
+        assert f"set {setting} to 'bfloat16'" in problem
+        assert [cuda_mla_dtype_problem(model, d, setting) for d in ("bfloat16", "float16", "auto")] == [None] * 3
+    assert cuda_mla_dtype_problem(arch_builders.llama(tmp_path / "llama"), "float32", "target.dtype") is None

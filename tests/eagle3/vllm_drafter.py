@@ -23,15 +23,19 @@ def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, d
         calls: list[dict] = []
         aux: list[torch.Tensor] = []
         fc_inputs: list[torch.Tensor] = []
+
+        def copy(t: torch.Tensor) -> torch.Tensor:  # a copy on the CPU: vLLM reuses its input buffers step after step
+            return t.detach().to("cpu", copy=True)
+
         combine = model.combine_hidden_states
         model.combine_hidden_states = lambda states: (aux.append(states.detach().clone()), combine(states))[1]
         model.model.fc.register_forward_hook(lambda m, args, out: fc_inputs.append(args[0].detach().clone()))
 
         def record(module, args, kwargs, out):  # noqa: ANN001, ANN202
-            calls.append({"input_ids": kwargs["input_ids"].cpu(), "positions": kwargs["positions"].cpu(),
-                          "hidden_states": kwargs["hidden_states"].detach().cpu(), "aux": aux[-1].cpu() if aux else None,
-                          "fc_input": fc_inputs[-1].cpu() if fc_inputs else None,
-                          "logits": module.compute_logits(out[0]).detach().cpu(), "handed_on": out[1].detach().cpu()})
+            calls.append({"input_ids": copy(kwargs["input_ids"]), "positions": copy(kwargs["positions"]),
+                          "hidden_states": copy(kwargs["hidden_states"]), "aux": copy(aux[-1]) if aux else None,
+                          "fc_input": copy(fc_inputs[-1]) if fc_inputs else None,
+                          "logits": copy(module.compute_logits(out[0])), "handed_on": copy(out[1])})
 
         model.register_forward_hook(record, with_kwargs=True)
         vllm_adapter.greedy_generate(llm, [prompt], max_new_tokens=2)
