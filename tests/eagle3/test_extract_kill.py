@@ -1,4 +1,7 @@
-"""An extraction process killed with SIGKILL resumes and ends with the store an uninterrupted run writes."""
+"""An extraction process killed with SIGKILL resumes and ends with the store an uninterrupted run writes.
+
+The child holds still once KILL_AFTER shards are written (in its progress callback, outside the capture)
+until the parent's SIGKILL: the kill lands mid-run however slowly the parent reacts on a loaded machine."""
 
 from __future__ import annotations
 
@@ -26,21 +29,23 @@ SHARDS, KILL_AFTER = 8, 3
 CONFIG = ExtractConfig(samples_per_shard=2, batch_tokens=1, storage_dtype="float32")
 
 # The child runs the same extraction as the parent, with vLLM in-process, announcing each finished
-# shard; a short pause per shard (outside the capture) lets the parent kill it mid-run. One writer and
-# one pending shard keep the capture at most two shards ahead of the writes: with more, on a loaded
-# machine the captures ran ahead of slow writes and the count jumped from 2 to all 8 at the end (seen
-# once), leaving nothing to kill. The write settings never change what is stored.
+# shard; once argv[3] (> 0) shards are written it holds still (outside the capture) until the parent
+# kills it mid-run. One writer and one pending shard keep the capture at most two shards ahead of the
+# writes: with more, on a loaded machine the captures ran ahead of slow writes and the count jumped from
+# 2 to all 8 at the end (seen once), leaving nothing to kill. The write settings never change what is
+# stored.
 CHILD = """
 import sys, time, torch
 from pathlib import Path
 from eagle3.capture import vllm_adapter
 from eagle3.capture.extract import ExtractConfig, extract_store
 from tests.eagle3.test_extract_kill import AUX, H, N, samples, spec
-target, store, pause = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+target, store, hold_at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 config = ExtractConfig.model_validate_json(sys.argv[4])
 def progress(done, total):
     print("done", done, flush=True)
-    time.sleep(pause)
+    if 0 < hold_at <= done:
+        time.sleep(600)  # until the parent's SIGKILL
 stats = extract_store(samples(), store, get_engine=lambda: vllm_adapter.acquire(spec(target)), aux_layer_ids=AUX,
                       num_layers=N, hidden_size=H, config=config, dtype=torch.float32, progress=progress,
                       writer_threads=1, max_pending_shards=1)
@@ -60,9 +65,10 @@ def samples() -> list[TokenizedSample]:
             for i, t in enumerate(lengths)]
 
 
-def _child(target: Path, store: Path, pause: float) -> subprocess.Popen:
+def _child(target: Path, store: Path, hold_at: int) -> subprocess.Popen:
+    """The extraction in a child process; with `hold_at` > 0 it holds still once that many shards are written."""
     env = os.environ | {"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(target), str(store), str(pause), CONFIG.model_dump_json()],
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(target), str(store), str(hold_at), CONFIG.model_dump_json()],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -82,7 +88,7 @@ def uninterrupted(tiny_target, tmp_path_factory) -> Path:
 
 def test_sigkill_midway_then_resume_gives_the_uninterrupted_store(tiny_target, uninterrupted, tmp_path):
     store = tmp_path / "killed"
-    child = _child(tiny_target, store, pause=0.5)
+    child = _child(tiny_target, store, hold_at=KILL_AFTER)
     seen = 0
     try:
         for line in child.stdout:  # vLLM logs to stdout too: only "done <n>" lines are ours
@@ -98,7 +104,7 @@ def test_sigkill_midway_then_resume_gives_the_uninterrupted_store(tiny_target, u
     assert KILL_AFTER <= _listed(store) < SHARDS  # the kill left a partial store behind
     assert not json.loads((store / MANIFEST).read_text())["complete"]
 
-    resumed = _child(tiny_target, store, pause=0.0)
+    resumed = _child(tiny_target, store, hold_at=0)
     out, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, out
     written, reused = map(int, [line for line in out.splitlines() if line.startswith("stats ")][-1].split()[1:])

@@ -1,4 +1,7 @@
-"""A training process killed with SIGKILL resumes and ends exactly where an uninterrupted run ends."""
+"""A training process killed with SIGKILL resumes and ends exactly where an uninterrupted run ends.
+
+The child holds still after step KILL_AFTER (in its progress callback, outside the math) until the parent's
+SIGKILL: the kill lands mid-run however slowly the parent reacts on a loaded machine."""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world  # noqa
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY, KILL_AFTER = 16, 4, 10
 
-# The child trains the same run as the parent would, announcing each step; a short pause per
-# step (outside the math) lets the parent kill it mid-run rather than after the end.
+# The child trains the same run as the parent would, announcing each step; from step argv[7] on it holds
+# still (outside the math) until the parent kills it, so the kill lands mid-run rather than after the end.
 CHILD = """
 import sys, time, torch
 from pathlib import Path
@@ -27,9 +30,11 @@ torch.set_num_threads(1)
 from eagle3.draft.train import TrainConfig, train_draft
 store, target, head, vocab, out = map(Path, sys.argv[1:6])
 config = TrainConfig.model_validate_json(sys.argv[6])
+hold_at = int(sys.argv[7])
 def progress(step, total, loss):
     print(step, flush=True)
-    time.sleep(0.3)
+    if step >= hold_at:
+        time.sleep(600)  # until the parent's SIGKILL
 train_draft(config, store_dir=store, target_dir=target, head_path=head, vocab_path=vocab, out_dir=out,
             progress=progress)
 """
@@ -49,7 +54,7 @@ def test_sigkill_midway_then_resume_gives_the_uninterrupted_parameters(tmp_path)
     world = tiny_world()
     out = tmp_path / "killed"
     args = [str(p) for p in (world.train_store, world.target_dir, world.head_path, world.vocab_path, out)]
-    child = subprocess.Popen([sys.executable, "-c", CHILD, *args, _config().model_dump_json()], cwd=ROOT,
+    child = subprocess.Popen([sys.executable, "-c", CHILD, *args, _config().model_dump_json(), str(KILL_AFTER)], cwd=ROOT,
                              stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
     seen = 0
     try:
