@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train_throughput import SHAPE_8B, SHAPE_TINY, write_target  # noqa: E402
+from train_rig import SHAPE_8B, SHAPE_TINY, write_target  # noqa: E402
 
 from eagle3.draft.vocab import load_mapping  # noqa: E402
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from train_throughput import PEAK_790, _model_and_batch, _sync, time_compute, time_trainer
+from train_rig import PEAK_790, _model_and_batch, _sync, time_compute, time_trainer
 
 from eagle3.draft.optim import BatchedMuon
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from eagle3.draft.launch import train_distributed  # noqa: E402
 from eagle3.draft.train import TrainConfig, train_draft  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "benchmarks" / "train_throughput.py")
+_spec = importlib.util.spec_from_file_location("train_rig", ROOT / "benchmarks" / "train_rig.py")
 tt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tt)
 

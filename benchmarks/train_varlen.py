@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_throughput import SHAPE_8B, SHAPE_TINY, _sync, write_target  # noqa: E402
+from train_rig import SHAPE_8B, SHAPE_TINY, _sync, write_target  # noqa: E402
 
 from eagle3.capture.store import Sample  # noqa: E402
 from eagle3.draft import ttt_attention  # noqa: E402
