@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle3.draft.architecture import DraftSettings  # noqa: E402
-from eagle3.draft.train import TrainConfig, train_draft  # noqa: E402
+from eagle3.train.trainer import TrainConfig, train_draft  # noqa: E402
 from eagle3.draft.ttt_attention import use_varlen  # noqa: E402
 from tests.eagle3.draft_fixtures import TRAIN_KW, tiny_world  # noqa: E402
 

@@ -6,7 +6,7 @@ YaRN factor 64): train.draft.architecture deepseek_mla, and llama, whose heads t
 same config (64 query and 64 KV heads of hidden/heads = 112). Draft vocabulary 32000, 3 aux states.
 
 Each is trained as the trainer trains on CUDA: bf16 weights with an fp32 master copy and fused AdamW, bf16
-autocast, TTT 3, the trainer's loss (eagle3.draft.loss.batch_loss), 8 micro-batches of 2048 tokens per
+autocast, TTT 3, the trainer's loss (eagle3.train.loss.batch_loss), 8 micro-batches of 2048 tokens per
 optimizer step (train.tokens_per_step 'auto' on CUDA), each micro-batch one 2048-token sample resident on the
 GPU (random states and tokens; no disk). Eager first, then with the trainer's torch.compile (the TTT step and
 the loss kernels). Median step time of the timed steps after warm-up; peak memory from torch.cuda.
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.capture.store import Sample  # noqa: E402
 from eagle3.draft.architecture import DraftSettings, build_draft, draft_config_for  # noqa: E402
 from eagle3.draft.batches import pack  # noqa: E402
-from eagle3.draft.loss import EAGER, batch_loss, compiled_kernels  # noqa: E402
+from eagle3.train.loss import EAGER, batch_loss, compiled_kernels  # noqa: E402
 from eagle3.draft.target_head import TargetHead  # noqa: E402
 
 KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,

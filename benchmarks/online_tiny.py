@@ -26,8 +26,8 @@ from eagle3.capture.regenerate import RegenerateConfig
 from eagle3.data.builtin_targets import default_cache_dir
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig, TargetInfo
-from eagle3.draft.online_data import GIB, OnlineConfig, row_bytes, shard_bytes
-from eagle3.draft.train_config import TrainConfig
+from eagle3.online.feed import GIB, OnlineConfig, row_bytes, shard_bytes
+from eagle3.train.config import TrainConfig
 from eagle3.draft.vocab import VocabConfig
 from eagle3.engine import pool
 

@@ -6,7 +6,7 @@ eighth of each masked as a prompt). Then, each mode timed on its own:
 - store:  eagle3.capture.extract.extract_store into a store (backend "hf"), then train_draft over it with
           the target moved off the GPU (the pipeline frees the GPU before training);
 - online: train_draft with train.data online: a producer thread captures each micro-batch through the
-          same target (eagle3.draft.online_data.SourceCapture over eagle3.capture.hf_source.HFSource, on a
+          same target (eagle3.online.feed.SourceCapture over eagle3.capture.hf_source.HFSource, on a
           CUDA stream of its own) into a bounded buffer of shards the trainer reads and deletes;
 - hybrid: the first samples whose states fit half the store are stored, the rest captured every epoch.
 Per mode: wall seconds (extract + train for store and hybrid), peak GPU memory (max_memory_allocated, reset
@@ -47,9 +47,9 @@ from eagle3.capture.hf_source import HFSource  # noqa: E402
 from eagle3.data.conversations import TokenizedSample  # noqa: E402
 from eagle3.data.target import default_aux_layer_ids  # noqa: E402
 from eagle3.draft.batches import next_batch_indices  # noqa: E402
-from eagle3.draft.online_data import GIB, OnlineData, OnlineSample, SourceCapture, kept_samples, row_bytes, shard_bytes  # noqa: E402
-from eagle3.draft.train import TrainConfig, train_draft  # noqa: E402
-from eagle3.draft.train_config import effective_grad_accum  # noqa: E402
+from eagle3.online.feed import GIB, OnlineData, OnlineSample, SourceCapture, kept_samples, row_bytes, shard_bytes  # noqa: E402
+from eagle3.train.trainer import TrainConfig, train_draft  # noqa: E402
+from eagle3.train.config import effective_grad_accum  # noqa: E402
 from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping  # noqa: E402
 
 

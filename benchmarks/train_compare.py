@@ -3,7 +3,7 @@
 - the anchor: a compute-only EAGLE-3 training step (FIELD-NOTES' naive step: bf16 weights, eager, no TTT
   attention growth, fused AdamW, one resident micro-batch of B=1 x 2048 tokens, no data loading);
 - Muon's optimizer step alone on the draft's hidden matrices: torch.optim.Muon (one matrix after another)
-  against eagle3.draft.optim.BatchedMuon (batched by shape), and the Newton-Schulz FLOPs per step;
+  against eagle3.train.optim.BatchedMuon (batched by shape), and the Newton-Schulz FLOPs per step;
 - the real trainer at its defaults (train.tokens_per_step 'auto': 16,384 tokens a step on CUDA) with AdamW
   and with Muon, and with each optimizer at exactly grad_accum 1 and --accum;
 - speculators 0.9.0's own trainer at the same shape (benchmarks/speculators_throughput.py), when it imports;
@@ -20,7 +20,7 @@ import torch
 
 from train_rig import PEAK_790, _model_and_batch, _sync, time_compute, time_trainer
 
-from eagle3.draft.optim import BatchedMuon
+from eagle3.train.optim import BatchedMuon
 
 
 def newton_schulz_flops(shapes: list[torch.Size], steps: int = 5) -> float:

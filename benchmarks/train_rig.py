@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.capture.store import FP8, Sample, StoreWriter, quantize_fp8  # noqa: E402
 from eagle3.draft.batches import MicroBatch, pack  # noqa: E402
-from eagle3.draft.loss import batch_loss, fused_kl_loss  # noqa: E402
+from eagle3.train.loss import batch_loss, fused_kl_loss  # noqa: E402
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.draft.target_head import TargetHead, read_target_config  # noqa: E402
-from eagle3.draft.train import TrainConfig, train_draft  # noqa: E402
-from eagle3.draft.train_config import effective_grad_accum  # noqa: E402
+from eagle3.train.trainer import TrainConfig, train_draft  # noqa: E402
+from eagle3.train.config import effective_grad_accum  # noqa: E402
 from eagle3.draft.ttt_attention import TTTCache  # noqa: E402
 from eagle3.draft.vocab import VocabMapping, save_mapping  # noqa: E402
 
@@ -201,7 +201,7 @@ def time_trainer(store: Path, target: Path, head_file: Path, vocab: Path, out: P
                  accum: int, threads: int, compile: bool | None = None, param_dtype: str = "auto",
                  batch_tokens: int | None = None, optimizer: str = "adamw",
                  tokens_per_step: int | str | None = None) -> tuple[float, object]:
-    """Tokens/s of eagle3.draft.train.train_draft, from its per-step progress callbacks (first steps excluded:
+    """Tokens/s of eagle3.train.trainer.train_draft, from its per-step progress callbacks (first steps excluded:
     allocator warm-up, and torch.compile's compilation when `compile`). `tokens_per_step` None: exactly `accum`
     micro-batches a step (train.tokens_per_step = batch_tokens when accum is 1), else train.tokens_per_step."""
     stamps: list[float] = []

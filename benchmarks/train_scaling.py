@@ -1,5 +1,5 @@
 """Multi-GPU training the way the train stage launches it: 1 process (train_draft) against N
-(eagle3.draft.launch.train_distributed: torchrun over eagle3.draft.ddp), side by side in one call.
+(eagle3.train.launch.train_distributed: torchrun over eagle3.train.ddp), side by side in one call.
 
 Same random 8B-shaped target and store as benchmarks/train_throughput.py (written once), same
 TrainConfig (grad_accum = N x --accum-per-gpu micro-batches of one 2048-token sample per step,
@@ -27,8 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3.draft.launch import train_distributed  # noqa: E402
-from eagle3.draft.train import TrainConfig, train_draft  # noqa: E402
+from eagle3.train.launch import train_distributed  # noqa: E402
+from eagle3.train.trainer import TrainConfig, train_draft  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("train_rig", ROOT / "benchmarks" / "train_rig.py")
 tt = importlib.util.module_from_spec(_spec)
@@ -84,7 +84,7 @@ def main() -> None:
     print(f"1 process (train_draft, as the stage runs num_processes=1): {one:,.0f} tokens/s", flush=True)
     many = run(args.gpus, config.model_copy(update={"num_processes": args.gpus}), paths, root / "many", args.warm,
                tokens_per_step, torchrun=True)
-    print(f"{args.gpus} processes (torchrun via eagle3.draft.launch, as the stage runs num_processes={args.gpus}): "
+    print(f"{args.gpus} processes (torchrun via eagle3.train.launch, as the stage runs num_processes={args.gpus}): "
           f"{many:,.0f} tokens/s", flush=True)
     print(f"ratio to {args.gpus} x one: {many / (args.gpus * one):.3f}", flush=True)
 

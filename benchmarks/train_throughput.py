@@ -9,7 +9,7 @@ samples, TTT 3, bf16 autocast with fp32 master weights and fused AdamW. It print
   only (the naive figure FIELD-NOTES quotes), one micro-batch resident on the GPU;
 - compute only, real TTT attention: the trainer's batch_loss on a resident micro-batch;
 - the real trainer (its CUDA defaults: bf16 weights with an fp32 master copy, and torch.compile of
-  the TTT step and the loss kernels; also eager, and fp32 weights): eagle3.draft.train.train_draft reading an extraction store written first
+  the TTT step and the loss kernels; also eager, and fp32 weights): eagle3.train.trainer.train_draft reading an extraction store written first
   with eagle3.capture.store.StoreWriter on the local disk (page cache dropped when allowed), with
   its thread-pool reader and side-stream host-to-device copies, timed from its own
   per-step progress callbacks (first steps excluded: allocator and cuBLAS warm-up);
@@ -46,7 +46,7 @@ from train_rig import (FIELD_NOTES_NAIVE, PEAK_790, SHAPE_8B, SHAPE_TINY, _model
                        disk_read_bandwidth, drop_page_cache, flops_per_token, matmul_rate, time_compute, time_trainer,
                        write_store, write_target)
 
-from eagle3.draft.loss import batch_loss  # noqa: E402
+from eagle3.train.loss import batch_loss  # noqa: E402
 from eagle3.draft.model import Eagle3Draft, rope_cos_sin  # noqa: E402
 from eagle3.draft.ttt_attention import ttt_attention_mask, use_varlen  # noqa: E402
 

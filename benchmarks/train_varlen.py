@@ -39,7 +39,7 @@ from train_rig import SHAPE_8B, SHAPE_TINY, _sync, write_target  # noqa: E402
 from eagle3.capture.store import Sample  # noqa: E402
 from eagle3.draft import ttt_attention  # noqa: E402
 from eagle3.draft.batches import MicroBatch, pack  # noqa: E402
-from eagle3.draft.loss import EAGER, batch_loss, compiled_kernels  # noqa: E402
+from eagle3.train.loss import EAGER, batch_loss, compiled_kernels  # noqa: E402
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config  # noqa: E402
 

@@ -9,8 +9,11 @@ Packages, each importing only the ones listed before it (tests/test_layering.py 
     capture/   what drives the engine: finding the decoder stack, the capture hooks, vLLM and HF
                sources, regeneration, extraction, the hidden-state store
     engine/    the warm engine: the target loaded once in a process of its own that runs attach to
-    draft/     the draft: model, TTT attention, loss, batches, training, checkpoints, vocab
-               mapping, export, simulated and served evaluation, plots
+    draft/     the draft model: Llama-style and MLA layers, TTT attention, the target's head, vocab
+               mapping, micro-batches, checkpoints, export
+    evaluate/  scoring a draft: simulated acceptance, the walk, the served check, plots
+    online/    the online feed: states captured while the draft trains, a remote capture worker
+    train/     training: settings, loss, optimizers, the loop, DDP and torchrun
     config, stages, draft_stages   the stage entry points the Prefect tasks call
     ops/       operations around runs: publishing, the nightly increments, run summaries
 """

@@ -21,11 +21,11 @@ from eagle3.capture.regenerate import RegenerateConfig, template_kwargs_problem
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems, read_chat_template
 from eagle3.draft.architecture import DraftArchitectureError, read_text_config, resolve
-from eagle3.draft.ddp import DistError
-from eagle3.draft.evaluate import EvalConfig
-from eagle3.draft.launch import resolve_num_processes
-from eagle3.draft.online_data import OnlineConfig, OnlineDataError, check_buffer
-from eagle3.draft.train_config import TrainConfig, TrainError
+from eagle3.train.ddp import DistError
+from eagle3.evaluate.acceptance import EvalConfig
+from eagle3.train.launch import resolve_num_processes
+from eagle3.online.feed import OnlineConfig, OnlineDataError, check_buffer
+from eagle3.train.config import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
 from eagle3.engine.placement import PlacementError, split_cpus
 from eagle3.gpu.devices import placement_problems, visible_gpus

@@ -20,15 +20,15 @@ from eagle3.capture.store import StoreReader
 from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
 from eagle3.draft.architecture import read_text_config, resolve
-from eagle3.draft.evaluate import AcceptanceReport, EvalConfig, Progress, SourceFigures, simulate_acceptance
+from eagle3.evaluate.acceptance import AcceptanceReport, EvalConfig, Progress, SourceFigures, simulate_acceptance
 from eagle3.draft.export import export_draft
-from eagle3.draft.launch import resolve_num_processes, train_distributed
-from eagle3.draft.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
-from eagle3.draft.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
+from eagle3.train.launch import resolve_num_processes, train_distributed
+from eagle3.evaluate.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
+from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
 from eagle3.draft.target_head import load_target_head, read_target_config
-from eagle3.draft.train import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
+from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
-from eagle3.draft.online_data import GIB, OnlineConfig, OnlineData, OnlineDataError, OnlineSample, check_buffer, plan_text
+from eagle3.online.feed import GIB, OnlineConfig, OnlineData, OnlineDataError, OnlineSample, check_buffer, plan_text
 from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from eagle3.engine.client import EngineGone
@@ -206,7 +206,7 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
 
 
 class _EngineCapture:
-    """eagle3.draft.online_data.Capture over the target's warm engine; an engine that dies (kill -9, a crash) is
+    """eagle3.online.feed.Capture over the target's warm engine; an engine that dies (kill -9, a crash) is
     loaded afresh and asked again, CAPTURE_ATTEMPTS times in all, so a run outlives its engine."""
 
     def __init__(self, setup: OnlineSetup, target: StageRecord, layer_ids: list[int], hidden_size: int,
@@ -232,7 +232,7 @@ class _EngineCapture:
 
     def capture_images(self, prompts: Sequence[Sequence[int]],
                        images: Sequence[Sequence[str]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """eagle3.draft.online_data.ImageCapture: the engine loads the images and expands their placeholders."""
+        """eagle3.online.feed.ImageCapture: the engine loads the images and expands their placeholders."""
         expanded, states = self._retry(lambda source: source.capture_images(prompts, images, self.layer_ids))
         self.tokens += sum(len(s) for s in states)
         return expanded, states
@@ -353,7 +353,7 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
 
 def _served_images(extracted: StageRecord, reader: StoreReader, rows: list[tuple[int, list[int]]],
                    model_dir: str) -> tuple[list[list[int]], list[list[str]]]:
-    """The served prompts and their image URLs (eagle3.draft.served_eval.with_images): from the prepared held-out
+    """The served prompts and their image URLs (eagle3.evaluate.served_eval.with_images): from the prepared held-out
     samples extract names when they hold images (its stat `heldout_samples_file`); else the store's prompts, text only."""
     prompts = [p for _, p in rows]
     named = extracted.stats.get("heldout_samples_file")

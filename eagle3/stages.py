@@ -426,7 +426,7 @@ def _keep_within_budget(config: ExtractConfig, target_config: TargetConfig, info
     the whole train split is stored)."""
     if config.store_budget_gib is None:
         return None
-    from eagle3.draft.online_data import GIB, kept_samples
+    from eagle3.online.feed import GIB, kept_samples
 
     checked = check_inputs(splits["train"], info.aux_layer_ids, info.num_layers, target_config.max_model_len, config.too_long)
     kept = kept_samples(lengths or [len(s.input_ids) for s in checked], int(config.store_budget_gib * GIB),

@@ -122,8 +122,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train_node(args: argparse.Namespace) -> int:
-    from eagle3.draft.launch import join_training
-    from eagle3.draft.train_config import TrainError
+    from eagle3.train.launch import join_training
+    from eagle3.train.config import TrainError
 
     try:
         join_training(args.spec, args.node_rank)
@@ -373,8 +373,8 @@ def _gpu_cleanup(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["online-capture"]:  # the capture worker's own arguments (eagle3.draft.capture_worker)
-        from eagle3.draft.capture_worker import main as capture_main
+    if argv[:1] == ["online-capture"]:  # the capture worker's own arguments (eagle3.online.capture_worker)
+        from eagle3.online.capture_worker import main as capture_main
 
         return capture_main(argv[1:])
     args = _parser().parse_args(argv)

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3.draft.evaluate import SourceFigures
+from eagle3.evaluate.acceptance import SourceFigures
 from eagle3.ops.summary import RunSummary, StageRow
 
 INLINE_LIMIT = 400_000  # bytes of PNG shown inline; larger ones are linked

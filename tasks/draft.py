@@ -10,8 +10,8 @@ from prefect.logging import get_run_logger
 
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
-from eagle3.draft.evaluate import EvalConfig
-from eagle3.draft.train_config import TrainConfig
+from eagle3.evaluate.acceptance import EvalConfig
+from eagle3.train.config import TrainConfig
 from eagle3.draft.vocab import VocabConfig
 from tasks import console
 from tasks.progress import progress_reporter

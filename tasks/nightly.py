@@ -12,7 +12,7 @@ from prefect.logging import get_run_logger
 
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
-from eagle3.draft.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 from eagle3.ops import incremental, publish
 from eagle3.ops.publish import GateDecision, PublishConfig, PublishedDraft
 from tasks.progress import progress_reporter

@@ -19,6 +19,9 @@ EAGLE3_ORDER: list[tuple[str, ...]] = [
     ("eagle3.capture",),
     ("eagle3.engine",),
     ("eagle3.draft",),
+    ("eagle3.evaluate",),
+    ("eagle3.online",),
+    ("eagle3.train",),
     ("eagle3.config", "eagle3.stages", "eagle3.draft_stages"),
     ("eagle3.ops",),
 ]
@@ -123,3 +126,66 @@ def test_importing_every_library_module_loads_no_prefect():
 def test_tasks_do_not_import_flows():
     for path in sorted((ROOT / "tasks").rglob("*.py")):
         assert not (_imported_roots(path) & {"flows", "deployments"}), path
+
+
+def import_circles(root: Path, package: str, modules_of) -> list[list[str]]:  # noqa: ANN001 - a function
+    """The import circles among the modules of `root/package` (every import, at the top or inside a function, counts):
+    each as the list of modules around it. `modules_of(path)` gives the modules a file imports."""
+    names = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    graph = {name: set() for name in names}
+    for name, path in names.items():
+        for target in modules_of(path):
+            while target and target not in names:  # `from a.b import c` names a.b.c: c may be a class of a.b
+                target = target.rpartition(".")[0]
+            if target and target != name and not names[target].name == "__init__.py":
+                graph[name].add(target)
+    circles, done, stack = [], set(), []
+
+    def visit(node: str) -> None:
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt in stack:
+                circles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        if node not in done:
+            visit(node)
+    return circles
+
+
+def _benchmark_imports(path: Path) -> set[str]:
+    """The benchmarks a benchmark script imports (they import one another by bare name, from benchmarks/)."""
+    scripts = {p.stem for p in path.parent.glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in scripts:
+            found.add(node.value)  # importlib by name: spec_from_file_location("train_rig", ...)
+    return {f"benchmarks.{m}" for m in found if m in scripts}
+
+
+def test_no_import_circle_in_the_library_or_the_benchmarks():
+    """No module of eagle3/ reaches itself through its imports, nor a benchmark script through the scripts it
+    imports (a circle makes the order of imports decide what works)."""
+    assert import_circles(ROOT, "eagle3", lambda p: _imported_modules(p, ROOT)) == []
+    assert import_circles(ROOT, "benchmarks", _benchmark_imports) == []
+
+
+def test_a_circle_is_caught(tmp_path):
+    """The check above can fail: a copy of eagle3/draft with mla.py importing architecture.py again is refused."""
+    for src in (ROOT / "eagle3" / "draft").glob("*.py"):
+        dst = tmp_path / "eagle3" / "draft" / src.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(src.read_text())
+    assert import_circles(tmp_path, "eagle3", lambda p: _imported_modules(p, tmp_path)) == []
+    mla = tmp_path / "eagle3" / "draft" / "mla.py"
+    mla.write_text(mla.read_text() + "\n\ndef _late():\n    from eagle3.draft.architecture import resolve\n")
+    assert ["eagle3.draft.architecture", "eagle3.draft.mla", "eagle3.draft.architecture"] in import_circles(
+        tmp_path, "eagle3", lambda p: _imported_modules(p, tmp_path))

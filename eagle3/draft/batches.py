@@ -208,7 +208,7 @@ class BatchStream:
 
     def _load(self, indices: list[int], index: int) -> tuple[MicroBatch, torch.cuda.Event | None]:
         run = self.run
-        # online: micro-batch `index` of this stream, captured into the buffer (eagle3.draft.online_data)
+        # online: micro-batch `index` of this stream, captured into the buffer (eagle3.online.feed)
         locations = run.locations if self.feed is None else self.feed.locations(index, indices)
         batch = read_batch(locations, indices, run.config.ttt_steps, run.config.batch_tokens,
                            pin=self.copy_stream is not None)

@@ -39,7 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from eagle3.draft.architecture import DraftArchitectureError, DraftSettings
+from eagle3.draft.settings import DraftArchitectureError, DraftSettings
 from eagle3.draft.model import _MLP, Eagle3Draft, RMSNorm, fc_norms, rotate_half
 from eagle3.draft.target_head import rope_parameters_of
 from eagle3.draft.ttt_attention import TTTCache, ttt_attend

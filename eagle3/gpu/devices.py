@@ -65,7 +65,7 @@ def trainer_cuda_index(devices: Devices, visible: Sequence[str]) -> int | None:
 @contextlib.contextmanager
 def trainer_on_gpu(devices: Devices) -> Iterator[None]:
     """This thread's current CUDA device is the trainer's (train.devices' first) while the block runs; 'auto' or no
-    CUDA: as is. The single-process trainer takes the current device (eagle3.draft.ddp.device_for)."""
+    CUDA: as is. The single-process trainer takes the current device (eagle3.train.ddp.device_for)."""
     import torch
 
     if devices == "auto" or not torch.cuda.is_available():

@@ -169,7 +169,7 @@ def expand_points(base: PipelineConfig, axes: Sequence[GridAxis]) -> list[SweepP
         dumped = config.model_dump()
         points.append(SweepPoint(index=index, settings={k: _leaf(dumped, k) for k in settings}, config=config))
     online = sorted({p.config.train.data for p in points} - {"store"})
-    if online:  # every point trains from the one extraction the sweep stores (eagle3/draft/online_data.py: not built)
+    if online:  # every point trains from the one extraction the sweep stores (eagle3/online/feed.py: not built)
         raise ConfigError(f"train.data={online[0]!r}: eagle3 sweep trains every point from one stored extraction; online "
                           "and hybrid data are not built for sweeps yet; set train.data='store' (or run the points "
                           "with eagle3 run)")
@@ -236,7 +236,7 @@ def sweep_markdown(results: Sequence[PointResult], keys: Sequence[str], shared: 
 def plot_sweep(results: Sequence[PointResult], keys: Sequence[str], path: Path) -> Path | None:
     """One panel per swept setting: acceptance (walk: solid, all rows: dashed) against its values, one line
     per combination of the other settings. None when no point has figures."""
-    from eagle3.draft.plots import _pyplot, _save
+    from eagle3.evaluate.plots import _pyplot, _save
 
     done = [r for r in results if r.served_walk is not None]
     if not done:

@@ -161,7 +161,7 @@ TRAIN_KW = dict(learning_rate=3e-3, warmup_steps=5, batch_tokens=200, ttt_steps=
 @functools.cache
 def trained_run():
     """A 60-step training run on the tiny world (about 2 s), shared by the tests that need one."""
-    from eagle3.draft.train import TrainConfig, train_draft
+    from eagle3.train.trainer import TrainConfig, train_draft
 
     world = tiny_world()
     out = world.root / "trained"
@@ -178,7 +178,7 @@ def trained_and_exported(draft, name: str) -> tuple[Path, Path]:  # noqa: ANN001
     """(checkpoint, export dir) of a 40-step draft with train.draft `draft` on the tiny world (one thread), under
     `name`; shared by the tests of one draft setting."""
     from eagle3.draft.export import export_draft
-    from eagle3.draft.train import TrainConfig, train_draft
+    from eagle3.train.trainer import TrainConfig, train_draft
 
     world = tiny_world()
     with single_thread():

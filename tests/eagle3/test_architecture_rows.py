@@ -261,7 +261,7 @@ def _train_and_export(llm, model_dir: Path, samples: list, out: Path) -> Path:  
     """The project's own stages on the row: extract, target head, vocab, a few train steps, export -> the export folder."""
     from eagle3.draft.export import export_draft
     from eagle3.draft.target_head import extract_target_head
-    from eagle3.draft.train import TrainConfig, train_draft
+    from eagle3.train.trainer import TrainConfig, train_draft
     from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
 
     _extract(llm, samples, out / "store")
@@ -287,11 +287,11 @@ def _frames(tb) -> list[str]:  # noqa: ANN001 - a traceback
 
 def test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged(row, tmp_path: Path):
     """Extract -> train 60 steps -> export on the row's target (its own greedy answers as data), then vLLM loads the
-    export as the target's `eagle3` speculator (eagle3.draft.served_eval: with and without the draft, greedy, on 3
+    export as the target's `eagle3` speculator (eagle3.evaluate.served_eval: with and without the draft, greedy, on 3
     trained and 3 unseen prompts). float32: the outputs must be equal token for token; bf16 rows (BF16_ONLY) may differ
     only at proven near-ties. Rows in SERVE_FAILS must stop where it says. Runs last for its row: the engine is
     released for the two serving engines."""
-    from eagle3.draft.served_eval import served_acceptance
+    from eagle3.evaluate.served_eval import served_acceptance
 
     name, llm, _, model_dir = row
     g = torch.Generator().manual_seed(3)

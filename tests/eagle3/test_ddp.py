@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.draft.ddp import DistContext, DistError, check_grad_accum
-from eagle3.draft.launch import resolve_num_processes, train_distributed
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.train.ddp import DistContext, DistError, check_grad_accum
+from eagle3.train.launch import resolve_num_processes, train_distributed
+from eagle3.train.trainer import TrainConfig, train_draft
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, resolve
-from eagle3.draft.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 from tests.eagle3.draft_fixtures import (  # noqa: F401
     HIDDEN, SMALL_DRAFT, TRAIN_KW, one_thread, tiny_world, trained_and_exported)
 
@@ -114,7 +114,7 @@ def test_a_checkpoint_from_before_the_setting_resumes(tmp_path, one_thread):  # 
     """A run stopped by an upgrade: its checkpoint's meta has no num_layers anywhere; the new code resumes it (one
     layer: what every draft before the setting had) instead of asking for a fresh out_dir."""
     from eagle3.draft.checkpoint import META, list_checkpoints
-    from eagle3.draft.train import train_draft
+    from eagle3.train.trainer import train_draft
 
     world = tiny_world()
     paths = dict(store_dir=world.train_store, target_dir=world.target_dir, head_path=world.head_path,

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.draft.architecture import DraftSettings
-from eagle3.draft.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, SMALL_DRAFT, one_thread, trained_and_exported  # noqa: F401
 from tests.eagle3.vllm_drafter import assert_vllm_computes_our_llama_draft
 

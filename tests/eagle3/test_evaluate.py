@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3.capture.store import Sample, StoreWriter
-from eagle3.draft.evaluate import accepted_counts, served_walk, simulate_acceptance
+from eagle3.evaluate.acceptance import accepted_counts, served_walk, simulate_acceptance
 from eagle3.draft.export import export_draft
 from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
 from eagle3.draft.target_head import TargetHead, read_target_config
@@ -105,7 +105,7 @@ def test_a_trained_draft_is_accepted_more_than_an_untrained_one(tmp_path):
 def test_plots_are_written_as_png_and_refuse_an_empty_log(tmp_path):
     import pytest
 
-    from eagle3.draft.plots import plot_acceptance, plot_training_loss
+    from eagle3.evaluate.plots import plot_acceptance, plot_training_loss
 
     entries = [{"step": s, "loss": 2.0 / s, "loss_per_ttt_step": [1.5 / s, 2.0 / s, 2.5 / s]} for s in range(1, 21)]
     evals = [{"step": 10, "acceptance_length": 1.4}, {"step": 20, "acceptance_length": 1.6}]
@@ -120,7 +120,7 @@ def test_plots_are_written_as_png_and_refuse_an_empty_log(tmp_path):
 
 
 def test_figures_per_source_are_each_source_s_own_drafts_and_pool_back_to_the_whole():
-    from eagle3.draft.evaluate import report_by_source
+    from eagle3.evaluate.acceptance import report_by_source
 
     def row(source, accepted, walked):  # noqa: ANN001, ANN202
         return source, torch.tensor(accepted, dtype=torch.int64), torch.tensor(walked, dtype=torch.bool)

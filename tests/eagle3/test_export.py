@@ -97,7 +97,7 @@ def test_mismatched_aux_ids_or_vocab_are_refused(tmp_path):
 
 def test_a_draft_over_the_whole_vocabulary_is_exported_without_a_mapping(tmp_path):
     """vLLM has no d2t parameter when the draft vocabulary is the target's, and refuses one."""
-    from eagle3.draft.train import TrainConfig, train_draft
+    from eagle3.train.trainer import TrainConfig, train_draft
     from tests.eagle3.draft_fixtures import TRAIN_KW, VOCAB
 
     world = tiny_world()
@@ -119,7 +119,7 @@ def test_the_train_stage_names_its_best_checkpoint_and_the_export_takes_it(tmp_p
 
     from eagle3.artifacts import StageRecord
     from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
-    from eagle3.draft.train import TrainConfig
+    from eagle3.train.trainer import TrainConfig
     from eagle3.draft_stages import VOCAB_FILE, fingerprint_export, run_export, run_train
     from tests.eagle3.draft_fixtures import NUM_LAYERS, TRAIN_KW, VOCAB
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, resolve
-from eagle3.draft.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 from tests.eagle3 import arch_builders
 from tests.eagle3.vllm_drafter import first_two_draft_forwards
 from tests.on_device import DTYPE, TINY_TRAIN_ON_DEVICE, assert_close, report
@@ -50,7 +50,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from eagle3.data.conversations import TokenizedSample
     from eagle3.draft.export import export_draft
     from eagle3.draft.target_head import extract_target_head
-    from eagle3.draft.train import train_draft
+    from eagle3.train.trainer import train_draft
     from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
 
     root = tmp_path_factory.mktemp("mla")
@@ -134,7 +134,7 @@ def test_vllm_serves_our_mla_draft_beside_mla_targets_and_greedy_output_is_uncha
     """The tiny DeepSeek-V3 and the tiny Kimi-K2.5 (KimiK25ForConditionalGeneration) serve the export as their
     `eagle3` speculator: greedy output (this device's dtype) equal token for token on every prompt, and vLLM's acceptance
     counters move (acceptance length above 1)."""
-    from eagle3.draft.served_eval import served_acceptance
+    from eagle3.evaluate.served_eval import served_acceptance
 
     prompts = _prompts(seed=3, n=12)[:3] + _prompts(seed=5, n=3)  # 3 trained on, 3 unseen
     served = served_acceptance(trained[target], trained["export"], prompts, num_draft_tokens=3, max_new_tokens=16,
@@ -302,7 +302,7 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
     from eagle3.capture.store import StoreReader
     from eagle3.data.conversations import DataConfig
     from eagle3.data.target import TargetConfig
-    from eagle3.draft.evaluate import EvalConfig
+    from eagle3.evaluate.acceptance import EvalConfig
     from tests.eagle3.image_data import build_kimi_with_images, image_row, write_png, write_rows
 
     work = trained["work"] / "served-images"

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.draft.ddp import NODE_RANK_ENV
-from eagle3.draft.launch import NODES_SPEC, LaunchSpec, join_training, resolve_num_processes, train_distributed
-from eagle3.draft.train import TrainConfig, TrainError, train_draft
+from eagle3.train.ddp import NODE_RANK_ENV
+from eagle3.train.launch import NODES_SPEC, LaunchSpec, join_training, resolve_num_processes, train_distributed
+from eagle3.train.trainer import TrainConfig, TrainError, train_draft
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ def test_node_0_alone_fails_with_the_command_for_the_other_machines(tmp_path, mo
 
 _CONTEXT = """
 import json
-from eagle3.draft import ddp
+from eagle3.train import ddp
 try:
     print(json.dumps({"rank": ddp.context_from_env().rank}))
 except ddp.DistError as err:

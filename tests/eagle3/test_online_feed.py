@@ -1,4 +1,4 @@
-"""Online training data (eagle3.draft.online_data) on the tiny draft world, with a capture that answers from the
+"""Online training data (eagle3.online.feed) on the tiny draft world, with a capture that answers from the
 tiny store: the same losses as the store run, a buffer that stays within its bound, every shard gone at the end.
 The real engine's online run is tests/eagle3/test_online.py."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from eagle3.capture.store import StoreReader, StoreWriter
-from eagle3.draft.online_data import (OnlineData, OnlineDataError, OnlineSample, check_buffer, kept_samples, plan_text,
+from eagle3.online.feed import (OnlineData, OnlineDataError, OnlineSample, check_buffer, kept_samples, plan_text,
                                       shard_bytes)
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.train.trainer import TrainConfig, train_draft
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, HIDDEN, TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
 STEPS = 12

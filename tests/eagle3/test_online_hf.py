@@ -1,4 +1,4 @@
-"""Online training data captured by an in-process HF source (eagle3.draft.online_data.SourceCapture over
+"""Online training data captured by an in-process HF source (eagle3.online.feed.SourceCapture over
 eagle3.capture.hf_source.HFSource): the tiny target captures each micro-batch while the trainer trains, and
 the losses are the store run's. Also the benchmark that measures it, benchmarks/online_vs_store.py --tiny."""
 
@@ -13,8 +13,8 @@ import torch
 
 from eagle3.capture.hf_source import HFSource, load_hf_target
 from eagle3.capture.store import StoreReader
-from eagle3.draft.online_data import OnlineData, OnlineSample, SourceCapture, shard_bytes
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.online.feed import OnlineData, OnlineSample, SourceCapture, shard_bytes
+from eagle3.train.trainer import TrainConfig, train_draft
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, HIDDEN, NUM_LAYERS, TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]

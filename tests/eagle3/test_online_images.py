@@ -24,9 +24,9 @@ from eagle3.capture.regenerate import RegenerateConfig
 from eagle3.capture.store import StoreReader
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig
-from eagle3.draft import online_data
-from eagle3.draft.online_data import OnlineConfig, OnlineDataError
-from eagle3.draft.train_config import TrainConfig
+from eagle3.online import feed as online_data
+from eagle3.online.feed import OnlineConfig, OnlineDataError
+from eagle3.train.config import TrainConfig
 from eagle3.draft.vocab import VocabConfig
 from eagle3.engine import pool as engine_pool
 from tests.eagle3 import arch_builders

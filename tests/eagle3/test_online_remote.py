@@ -1,5 +1,5 @@
 """online.producer 'remote' on one host: the capture worker is a real process of its own (`python -m
-eagle3.draft.capture_worker`, the tiny target in transformers, fp32), the trainer runs here and only reads the shards
+eagle3.online.capture_worker`, the tiny target in transformers, fp32), the trainer runs here and only reads the shards
 the worker writes into the buffer folder. The losses are the local producer's, the buffer stays within its bound,
 and a worker killed mid-epoch and started again completes the run with the same losses."""
 
@@ -20,9 +20,9 @@ import torch
 from eagle3.capture.hf_source import HFSource, load_hf_target
 from eagle3.capture.store import StoreReader
 from eagle3.draft.checkpoint import latest_valid_checkpoint
-from eagle3.draft.online_data import OnlineData, OnlineDataError, OnlineSample, SourceCapture, shard_bytes
-from eagle3.draft.online_remote import buffer_bytes_on_disk
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.online.feed import OnlineData, OnlineDataError, OnlineSample, SourceCapture, shard_bytes
+from eagle3.online.remote import buffer_bytes_on_disk
+from eagle3.train.trainer import TrainConfig, train_draft
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, HIDDEN, NUM_LAYERS, TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def _train(out: Path, data: OnlineData, progress=None):
 
 def _worker(buffer: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "eagle3.draft.capture_worker", "--buffer", str(buffer), "--model",
+    command = [sys.executable, "-m", "eagle3.online.capture_worker", "--buffer", str(buffer), "--model",
                str(tiny_world().target_dir), "--backend", "hf", "--dtype", "float32", "--wait-s", "120"]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -132,8 +132,8 @@ TRAINER = """
 import sys, torch
 from pathlib import Path
 from eagle3.capture.store import StoreReader
-from eagle3.draft.online_data import OnlineData, OnlineSample
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.online.feed import OnlineData, OnlineSample
+from eagle3.train.trainer import TrainConfig, train_draft
 store, target, head, vocab, out, buffer, one_shard = sys.argv[1:8]
 torch.set_num_threads(1)
 samples = [OnlineSample(s.input_ids.tolist(), s.loss_mask.int().tolist()) for s in StoreReader(Path(store))]

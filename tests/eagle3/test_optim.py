@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.draft.optim import BatchedMuon
+from eagle3.train.optim import BatchedMuon
 
 # mixed shapes: two of one shape, one tall and one wide of the same sides (batched together, one transposed),
 # a square one and a lone odd one

@@ -14,7 +14,7 @@ import pytest
 from eagle3 import stages
 from eagle3.config import ConfigError, build_config, check_against_target
 from eagle3.data.target import TargetConfig, TargetInfo
-from eagle3.draft.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 from eagle3.engine import pool
 from eagle3.engine.client import WarmEngine
 from eagle3.engine.registry import live_engines
@@ -73,7 +73,7 @@ def test_gpus_on_the_cpu_build_are_refused_right_after_stage_target(tiny_info, s
 def test_placement_changes_no_fingerprint():
     assert stages.fingerprint_target(TargetConfig(devices=[2, 3])) == stages.fingerprint_target(TargetConfig())
     assert TrainConfig(devices=[1]).model_dump(exclude={"devices"}) == TrainConfig().model_dump(exclude={"devices"})
-    from eagle3.draft.train_config import RUNTIME_ONLY
+    from eagle3.train.config import RUNTIME_ONLY
 
     assert "devices" in RUNTIME_ONLY
 

@@ -14,10 +14,10 @@ from eagle3.artifacts import StageRecord
 from eagle3.capture.store import StoreReader
 from eagle3.capture.vllm_adapter import GreedyOutput, SpecDecodeCounters
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
-from eagle3.draft.evaluate import EvalConfig
+from eagle3.evaluate.acceptance import EvalConfig
 from eagle3.draft.export import export_draft
-from eagle3.draft import served_eval
-from eagle3.draft.served_eval import TOP_LOGPROBS, build_report, heldout_prompts, rank_of, served_acceptance
+from eagle3.evaluate import served_eval
+from eagle3.evaluate.served_eval import TOP_LOGPROBS, build_report, heldout_prompts, rank_of, served_acceptance
 from eagle3.draft_stages import fingerprint_evaluate, run_evaluate
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, NUM_LAYERS, VOCAB, one_thread, tiny_world, trained_run  # noqa: F401
 from tests.on_device import DTYPE, report

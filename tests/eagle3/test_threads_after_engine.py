@@ -30,7 +30,7 @@ MARK = "@measured "  # starts the lines the measuring processes answer with
 def _step_seconds(out_dir: Path) -> list[float]:
     """Seconds of each of STEPS training steps on the tiny world (all its 1,600 tokens in one micro-batch: big
     enough that a second thread makes a step 1.4 times faster on 2 cores)."""
-    from eagle3.draft.train import TrainConfig, train_draft
+    from eagle3.train.trainer import TrainConfig, train_draft
     from tests.eagle3.draft_fixtures import tiny_world
 
     world = tiny_world()

@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from eagle3.artifacts import StageRecord
-from eagle3.draft.train_config import TrainConfig, effective_grad_accum
+from eagle3.train.config import TrainConfig, effective_grad_accum
 
 UPSTREAM = [StageRecord(stage=n, uri="/x", fingerprint=n) for n in ("extract", "vocab", "stage_target")]
 
@@ -52,7 +52,7 @@ def test_the_fingerprint_names_the_setting_as_written_on_every_machine(monkeypat
 def test_a_run_trains_the_tokens_per_step_asked_for(tmp_path):
     """On the CPU a number of tokens per step makes each step read that many micro-batches."""
     from tests.eagle3.draft_fixtures import TRAIN_KW, tiny_world
-    from eagle3.draft.train import train_draft
+    from eagle3.train.trainer import train_draft
 
     world = tiny_world()
     kw = dict(TRAIN_KW, steps=3, warmup_steps=1, checkpoint_every=10)

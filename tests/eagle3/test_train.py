@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from eagle3.capture.store import StoreReader
 from eagle3.draft.batches import next_batch_indices
 from eagle3.draft.checkpoint import list_checkpoints, load_checkpoint
-from eagle3.draft.train import TrainConfig, TrainError, lr_at, train_draft
+from eagle3.train.trainer import TrainConfig, TrainError, lr_at, train_draft
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world, trained_run  # noqa: F401
 
 
@@ -148,7 +148,7 @@ def test_a_best_checkpoint_older_than_the_last_two_is_kept(tmp_path):
 
 
 def test_best_eval_prefers_the_later_checkpoint_on_a_tie():
-    from eagle3.draft.train import best_eval
+    from eagle3.train.trainer import best_eval
 
     evals = [{"step": 4, "acceptance_length": 1.5}, {"step": 8, "acceptance_length": 1.7},
              {"step": 12, "acceptance_length": 1.7}, {"step": 16, "acceptance_length": 1.6}]
@@ -156,7 +156,7 @@ def test_best_eval_prefers_the_later_checkpoint_on_a_tie():
 
 
 def test_the_best_checkpoint_is_the_best_walk_not_the_best_score_at_every_position():
-    from eagle3.draft.train import best_eval
+    from eagle3.train.trainer import best_eval
 
     evals = [{"step": 4, "acceptance_length": 1.9, "walk": 1.6}, {"step": 8, "acceptance_length": 1.8, "walk": 1.7},
              {"step": 12, "acceptance_length": 1.7, "walk": 1.5}]
@@ -184,7 +184,7 @@ def test_resume_keeps_the_held_out_scores_and_scores_what_is_missing(tmp_path):
 
 
 def test_fused_and_plain_kl_equal_the_definition_with_gradients():
-    from eagle3.draft.loss import fused_kl_loss, kl_loss, plain_kl_loss
+    from eagle3.train.loss import fused_kl_loss, kl_loss, plain_kl_loss
 
     generator = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(7, 50, generator=generator)).requires_grad_(True)
@@ -236,7 +236,7 @@ def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
     """The loss reads row r's target at r+1+j as a slice; it equals the explicit gather of
     ttt_alignment's target positions, on a batch of several packed samples."""
     from eagle3.draft.batches import pack
-    from eagle3.draft.loss import batch_loss, kl_loss
+    from eagle3.train.loss import batch_loss, kl_loss
     from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft, ttt_alignment
     from eagle3.draft.target_head import read_target_config, target_logits
     from eagle3.draft.vocab import load_mapping
@@ -267,7 +267,7 @@ def test_ttt_loss_decay_weights_the_draft_positions_and_keeps_old_fingerprints_a
     the setting; another decay is another artifact; a decay outside (0, 1] is refused naming the setting."""
     from eagle3.artifacts import StageRecord
     from eagle3.draft.batches import pack
-    from eagle3.draft.loss import batch_loss
+    from eagle3.train.loss import batch_loss
     from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
     from eagle3.draft.target_head import read_target_config
     from eagle3.draft.vocab import load_mapping
@@ -350,7 +350,7 @@ def test_muon_trains_the_hidden_matrices_and_resumes_as_if_never_stopped(tmp_pat
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_head_and_norms():
     from eagle3.draft.model import Eagle3Draft
-    from eagle3.draft.optim import build_optimizer
+    from eagle3.train.optim import build_optimizer
 
     world = tiny_world()
     config = json.loads((world.target_dir / "config.json").read_text())
@@ -402,7 +402,7 @@ def test_feature_noise_changes_what_is_learned_resumes_as_if_never_stopped_and_k
     same losses and weights; at the default 0 the train fingerprint is the one from before the setting; a value
     outside [0, 1] is refused naming the setting."""
     from eagle3.artifacts import StageRecord
-    from eagle3.draft.loss import add_feature_noise
+    from eagle3.train.loss import add_feature_noise
     from eagle3.draft_stages import fingerprint_train
 
     states = torch.randn(4000, 3, 64) * torch.tensor([0.5, 4.0, 40.0]).view(1, 3, 1)  # three very different scales

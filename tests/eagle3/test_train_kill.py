@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.train.trainer import TrainConfig, train_draft
 from tests.eagle3.draft_fixtures import TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ CHILD = """
 import sys, time, torch
 from pathlib import Path
 torch.set_num_threads(1)
-from eagle3.draft.train import TrainConfig, train_draft
+from eagle3.train.trainer import TrainConfig, train_draft
 store, target, head, vocab, out = map(Path, sys.argv[1:6])
 config = TrainConfig.model_validate_json(sys.argv[6])
 hold_at = int(sys.argv[7])

@@ -103,7 +103,7 @@ def test_tp2_capture_equals_tp1(tiny_target: Path, tmp_path: Path):
 
 
 def test_exported_draft_is_served_with_greedy_output_unchanged(tmp_path: Path):
-    from eagle3.draft.evaluate import EvalConfig
+    from eagle3.evaluate.acceptance import EvalConfig
     from eagle3.draft_stages import fingerprint_evaluate, run_evaluate
     from tests.eagle3.test_served_eval import _records
 

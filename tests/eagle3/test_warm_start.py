@@ -7,7 +7,7 @@ import torch
 
 from eagle3.draft.checkpoint import checkpoint_name
 from eagle3.draft.export import export_draft, load_exported_draft
-from eagle3.draft.train import CHECKPOINTS, TrainConfig, TrainError, train_draft
+from eagle3.train.trainer import CHECKPOINTS, TrainConfig, TrainError, train_draft
 from eagle3.draft.vocab import build_mapping, save_mapping
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, DRAFT_VOCAB, TRAIN_KW, VOCAB, one_thread, tiny_world, trained_run  # noqa: F401
 

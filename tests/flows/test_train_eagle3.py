@@ -78,7 +78,7 @@ def test_the_export_takes_the_checkpoint_with_the_best_walk_not_a_spoiled_last_o
     """train.select='best' (the default): four checkpoints, the last one spoiled on purpose by a learning-rate spike
     over its last steps. The exported draft is the checkpoint with the highest held-out walk, not the last; the
     report lists every checkpoint and marks the one exported; the same run again is all Cached."""
-    from eagle3.draft import train as trainer
+    from eagle3.train import trainer
     from flows.train_eagle3 import train_eagle3
 
     config, _ = first_run

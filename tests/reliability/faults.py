@@ -191,7 +191,7 @@ class World:
                                        self.root / "loads.jsonl")
 
     def train(self, seed: int, steps: int = 6):  # noqa: ANN201 - a StageRecord
-        from eagle3.draft.train import TrainConfig
+        from eagle3.train.trainer import TrainConfig
 
         config = TrainConfig(steps=steps, checkpoint_every=3, batch_tokens=256, warmup_steps=1, seed=seed)
         fp = self.draft_stages.fingerprint_train(config, self.extracted, self.vocab, self.target)

@@ -1,7 +1,7 @@
 """Training the EAGLE-3 draft on stored hidden states, with TTT, checkpoints and resume.
 
-Loss: eagle3.draft.loss (KL(target || draft) over the draft vocabulary, per TTT step, mean over
-steps). AdamW, or Muon with AdamW (eagle3.draft.optim); linear warm-up, cosine decay.
+Loss: eagle3.train.loss (KL(target || draft) over the draft vocabulary, per TTT step, mean over
+steps). AdamW, or Muon with AdamW (eagle3.train.optim); linear warm-up, cosine decay.
 
 Data: eagle3.draft.batches packs whole samples into micro-batches of at most `batch_tokens` tokens
 in a seeded per-epoch order. The data position (epoch, cursor) is part of every checkpoint,
@@ -14,12 +14,12 @@ fresh initial weights; its shape and vocabulary mapping must be this run's. A re
 takes its checkpoint's weights, whatever `init_from` says.
 
 Checkpoints are scored on the held-out store (when given), logged to evals.jsonl: simulated
-acceptance at every position, and the walk (eagle3.draft.evaluate: the positions a served greedy
+acceptance at every position, and the walk (eagle3.evaluate.acceptance: the positions a served greedy
 run drafts at, what vLLM's counters measure). The best by the walk is kept through pruning and
 named in the result: with train.select='best' (the default) the export takes it, not the last one
 (acceptance can peak mid-training, or fall after a bad step).
 
-Data parallel (torchrun): see eagle3.draft.ddp; rank 0 writes checkpoints and logs.
+Data parallel (torchrun): see eagle3.train.ddp; rank 0 writes checkpoints and logs.
 """
 
 from __future__ import annotations
@@ -37,21 +37,21 @@ import torch
 
 from eagle3.artifacts import atomic_write_text
 from eagle3.capture.store import StoreReader
-from eagle3.draft import ddp
+from eagle3.train import ddp
 from eagle3.draft.batches import BatchStream, shard_header
 from eagle3.draft.checkpoint import Checkpoint, checkpoint_name, clean_temporaries, latest_valid_checkpoint, save_checkpoint
-from eagle3.draft.evaluate import simulate_acceptance
+from eagle3.evaluate.acceptance import simulate_acceptance
 from eagle3.draft.export import ExportError, load_exported_draft
-from eagle3.draft.loss import EAGER, LossKernels, batch_loss, compiled_kernels
+from eagle3.train.loss import EAGER, LossKernels, batch_loss, compiled_kernels
 from eagle3.draft.architecture import (DraftArchitectureError, DraftSettings, build_draft, draft_config_for,
                                       draft_config_from_dict, read_text_config, resolve)
 from eagle3.draft.model import Eagle3Draft, init_draft
-from eagle3.draft.online_data import OnlineData, OnlineFeed
-from eagle3.draft.online_remote import RemoteFeed
-from eagle3.draft.optim import MuonWithAdamW, build_optimizer
+from eagle3.online.feed import OnlineData, OnlineFeed
+from eagle3.online.remote import RemoteFeed
+from eagle3.train.optim import MuonWithAdamW, build_optimizer
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
-# the settings live in eagle3.draft.train_config; imported from here too
-from eagle3.draft.train_config import (ADDED_WITH_DEFAULT, RUNTIME_ONLY, TrainConfig, TrainError,  # noqa: F401
+# the settings live in eagle3.train.config; imported from here too
+from eagle3.train.config import (ADDED_WITH_DEFAULT, RUNTIME_ONLY, TrainConfig, TrainError,  # noqa: F401
                                        _RESUMABLE_CHANGES, lr_at, with_effective_grad_accum)
 from eagle3.draft.vocab import VocabMapping, load_mapping
 
@@ -407,7 +407,7 @@ def train_draft(
     checkpoint: it behaves like an interruption (tests use it to check resume).
     `heldout_store_dir`: score every checkpoint by simulated acceptance there (see the module docstring).
     `init_from`: an exported draft folder to start from instead of fresh weights (warm start).
-    `online`: train.data online/hybrid: the samples and the capture (eagle3.draft.online_data); `store_dir`
+    `online`: train.data online/hybrid: the samples and the capture (eagle3.online.feed); `store_dir`
     is then unused (the kept samples' store is in `online`).
     """
     started = time.monotonic()

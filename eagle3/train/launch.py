@@ -1,16 +1,16 @@
-"""Training on several processes from the train stage: torchrun over eagle3.draft.ddp.
+"""Training on several processes from the train stage: torchrun over eagle3.train.ddp.
 
 `train.num_processes` decides how many processes train on each machine ("auto": every visible
 GPU, or one per GPU of train.devices, which the ranks are then restricted to; 1 on the CPU), `train.nnodes` on how many machines. One process on one machine calls
 train_draft directly. More launch torchrun (`torch.distributed.run`, the launcher PyTorch ships;
 nothing hand-made spawns ranks) with this module as the program: each rank reads the same launch
-spec, calls train_draft, and eagle3.draft.ddp deals the micro-batches; training rank 0 (on the
+spec, calls train_draft, and eagle3.train.ddp deals the micro-batches; training rank 0 (on the
 stage's machine) writes checkpoints, losses.jsonl and evals.jsonl, as a single process would,
 then the result as JSON for the stage.
 
 One machine (`--standalone`):
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m eagle3.draft.launch SPEC.json
+    python -m torch.distributed.run --standalone --nproc-per-node N -m eagle3.train.launch SPEC.json
 
 Several machines: the stage's machine is node 0. It writes the spec to `<out_dir>/.launch-nodes.json`,
 prints the command for the others and starts torchrun with a c10d rendezvous that it hosts
@@ -18,12 +18,12 @@ prints the command for the others and starts torchrun with a c10d rendezvous tha
 
     python -m torch.distributed.run --nnodes M --nproc-per-node N --rdzv-backend c10d
         --rdzv-endpoint HOST:PORT --rdzv-id eagle3-<out_dir name>
-        --rdzv-conf is_host=true,join_timeout=T -m eagle3.draft.launch SPEC.json
+        --rdzv-conf is_host=true,join_timeout=T -m eagle3.train.launch SPEC.json
 
 Each other machine runs `eagle3 train-node --spec SPEC.json --node-rank R` (join_training): the same
 torchrun with `is_host=false`. torchrun's `--node-rank` is not passed: the c10d rendezvous ignores it
 and numbers the machines by host name; the node rank reaches the ranks as EAGLE3_NODE_RANK instead
-(eagle3.draft.ddp). Every machine must see the artifacts folder (data, target, out_dir, the spec) at
+(eagle3.train.ddp). Every machine must see the artifacts folder (data, target, out_dir, the spec) at
 the same path: a shared folder. If the others do not join within `train.rdzv_join_timeout`, torchrun
 gives up and the stage fails with a TrainError that says what to start where.
 
@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 
 from eagle3.artifacts import atomic_write_text
-from eagle3.draft import ddp
-from eagle3.draft.train import LOSSES, TrainConfig, TrainError, TrainResult, train_draft
-from eagle3.draft.train_config import effective_grad_accum
+from eagle3.train import ddp
+from eagle3.train.trainer import LOSSES, TrainConfig, TrainError, TrainResult, train_draft
+from eagle3.train.config import effective_grad_accum
 from eagle3.gpu.devices import cuda_visible
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def _torchrun_command(spec: LaunchSpec, spec_path: Path, node_rank: int) -> list
         where = ["--nnodes", str(config.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", str(config.rdzv_endpoint),
                  "--rdzv-id", spec.rdzv_id, "--rdzv-conf", f"is_host={host},join_timeout={config.rdzv_join_timeout}"]
     return [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(spec.processes),
-            "-m", "eagle3.draft.launch", str(spec_path)]
+            "-m", "eagle3.train.launch", str(spec_path)]
 
 
 def node_command(spec_path: Path, node_rank: int) -> str:

@@ -1,6 +1,6 @@
 """Online training data: the target captures each micro-batch's states just ahead of the trainer.
 
-`train.data` (eagle3.draft.train_config) picks where the trainer's hidden states come from:
+`train.data` (eagle3.train.config) picks where the trainer's hidden states come from:
 
 - `store`: the extract stage wrote every sample's states; the trainer reads them (today's path);
 - `online`: nothing of the train split is stored. A producer thread in the trainer's process walks
@@ -31,7 +31,7 @@ What a trainer process needs from the engine is a single callable, `Capture` (pr
 [T, n_aux+1, H]), and for images `ImageCapture`; the stage builds it around the warm engine (eagle3.draft_stages), `SourceCapture`
 wraps an in-process source (the HF backend: benchmarks/online_vs_store.py, tests), tests may give
 any function. online.producer 'remote': a capture worker in another process or on another machine writes the
-shards instead, and the trainer only reads them (eagle3.draft.online_remote). Data-parallel trainers: refused
+shards instead, and the trainer only reads them (eagle3.online.remote). Data-parallel trainers: refused
 (train.num_processes must be 1).
 """
 

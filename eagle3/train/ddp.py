@@ -4,7 +4,7 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK (and the rendezvous address); `contex
 joins the process group (NCCL on CUDA, gloo on the CPU) and says which device this process
 drives: its LOCAL_RANK-th GPU of its machine.
 
-On several machines (eagle3.draft.launch, `train.nnodes`) the training rank is not torchrun's
+On several machines (eagle3.train.launch, `train.nnodes`) the training rank is not torchrun's
 RANK: the c10d rendezvous numbers the machines by sorting their host names and process ids
 (torchrun ignores `--node-rank` with it), so RANK 0 could land on any machine. The launcher gives
 each machine its node rank in EAGLE3_NODE_RANK (0: the machine that runs the train stage), and
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 
-NODE_RANK_ENV = "EAGLE3_NODE_RANK"  # set by eagle3.draft.launch on every machine's torchrun
+NODE_RANK_ENV = "EAGLE3_NODE_RANK"  # set by eagle3.train.launch on every machine's torchrun
 
 
 class DistError(RuntimeError):

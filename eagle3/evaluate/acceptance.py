@@ -49,7 +49,7 @@ class EvalConfig(BaseModel):
     )
     served: bool = Field(
         default=True, description="Also serve the target with the draft in vLLM (speculative decoding) on held-out "
-        "prompts and read vLLM's own acceptance counters (eagle3.draft.served_eval); two target loads."
+        "prompts and read vLLM's own acceptance counters (eagle3.evaluate.served_eval); two target loads."
     )
     served_max_prompts: int = Field(default=64, ge=1, description="Held-out prompts the served evaluation generates from.")
     served_max_new_tokens: int = Field(default=64, ge=1, description="Greedy tokens generated per prompt when served.")
@@ -60,7 +60,7 @@ class EvalConfig(BaseModel):
     near_tie_logprob_gap: float = Field(
         default=0.25, ge=0, description="A greedy output that differs from the run without speculation counts as a "
         "proven near-tie when, at the first difference, each run chose its own top token and has the other run's token "
-        "within this many nats of it (eagle3.draft.served_eval; bf16 logits between 16 and 32 are 0.125 apart: 0.25 "
+        "within this many nats of it (eagle3.evaluate.served_eval; bf16 logits between 16 and 32 are 0.125 apart: 0.25 "
         "is two bf16 steps)."
     )
 

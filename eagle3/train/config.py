@@ -1,6 +1,6 @@
 """Settings of the train stage (TrainConfig), the errors it refuses with, and its learning-rate schedule.
 
-Kept apart from the trainer (eagle3.draft.train) so that the configuration, the UI form and the
+Kept apart from the trainer (eagle3.train.trainer) so that the configuration, the UI form and the
 checks before any work read the settings without the training code.
 """
 
@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from eagle3.draft import ddp
+from eagle3.train import ddp
 from eagle3.draft.architecture import DraftSettings
 from eagle3.gpu.devices import Devices, check_devices
 
@@ -49,7 +49,7 @@ class TrainConfig(BaseModel):
                                  "'muon', Muon's is matched to AdamW's update size, so the same value serves both).")
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw", description="'adamw', or 'muon': torch's Muon on the draft's hidden matrices (weight decay "
-        "0.1) and AdamW on lm_head and the norms, as speculators trains (eagle3.draft.optim)."
+        "0.1) and AdamW on lm_head and the norms, as speculators trains (eagle3.train.optim)."
     )
     select: Literal["best", "last"] = Field(
         default="best", description="The checkpoint the export takes: 'best', the one with the highest walk on the "
@@ -137,7 +137,7 @@ class TrainConfig(BaseModel):
 
     num_processes: int | Literal["auto"] = Field(
         default="auto", description="Processes that train data-parallel, one per GPU, launched with torchrun "
-        "(eagle3.draft.launch). 'auto': every visible GPU, 1 on the CPU. Must divide train.grad_accum (each process "
+        "(eagle3.train.launch). 'auto': every visible GPU, 1 on the CPU. Must divide train.grad_accum (each process "
         "takes every n-th micro-batch of a step, so the result does not depend on it). A run may resume with another "
         "number. Not part of the stage's fingerprint."
     )

@@ -36,7 +36,7 @@ import torch
 
 from eagle3.artifacts import atomic_write_text
 from eagle3.draft.batches import next_batch_indices, shard_header
-from eagle3.draft.online_data import (Capture, OnlineData, OnlineDataError, OnlineSample, kept_locations, remove_shards,
+from eagle3.online.feed import (Capture, OnlineData, OnlineDataError, OnlineSample, kept_locations, remove_shards,
                                       shard_bytes, write_shard)
 
 log = logging.getLogger(__name__)

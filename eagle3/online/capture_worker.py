@@ -1,8 +1,8 @@
 """The capture worker of online.producer 'remote': `eagle3 online-capture --buffer DIR --model DIR` (or
-`python -m eagle3.draft.capture_worker ...`), run on the machine that holds the target.
+`python -m eagle3.online.capture_worker ...`), run on the machine that holds the target.
 
 It loads the target once, in this process (`--backend vllm`, the pipeline's engine, or `--backend hf`, transformers),
-then captures for the trainer whose feed is in DIR until that trainer finishes (eagle3.draft.online_remote: the
+then captures for the trainer whose feed is in DIR until that trainer finishes (eagle3.online.remote: the
 files, the bound, the handshake). It reads what to capture from the folder, so it needs only the target.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.draft.online_data import Capture, SourceCapture
-from eagle3.draft.online_remote import FEED_FILE, run_capture_worker
+from eagle3.online.feed import Capture, SourceCapture
+from eagle3.online.remote import FEED_FILE, run_capture_worker
 
 
 def open_capture(backend: str, model_dir: str, dtype: str, max_model_len: int, aux_layer_ids: list[int],
