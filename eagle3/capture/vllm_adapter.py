@@ -159,8 +159,9 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
 
 def _new_llm(vllm, **engine_args):  # noqa: ANN001, ANN003, ANN202 - the vllm module, vllm.LLM's own arguments
     """`vllm.LLM(**engine_args)`, leaving torch's default dtype as it was: vLLM builds the model under the target's
-    dtype and, on CUDA, left it set (bfloat16) in this process, where the stages after the load (the target head's
-    norm probe, training) create tensors."""
+    dtype, and on the H200 (vLLM 0.25, bfloat16 DeepSeek/Kimi targets) the stages after an in-process load saw
+    tensors made without a dtype come out other than float32 (the target head's norm probe failed until this and an
+    explicit dtype in the probe were added)."""
     import torch
 
     before = torch.get_default_dtype()

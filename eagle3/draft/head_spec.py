@@ -149,7 +149,7 @@ def _probe_norm(norm: nn.Module, target_dir: Path) -> tuple[str, float]:
     probe = copy.deepcopy(norm).to_empty(device="cpu").float()
     g = torch.Generator().manual_seed(0)
     hidden = params["weight"].shape[0]
-    f32 = torch.float32  # explicit: an in-process vLLM engine on a GPU leaves torch's default dtype at bfloat16
+    f32 = torch.float32  # explicit: never torch's default dtype, which an in-process vLLM load may have moved
     with torch.no_grad():
         for p in probe.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=f32) * 0.5)
