@@ -16,21 +16,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagle3.capture.extract import ExtractConfig, storage_dtype
-from eagle3.capture.vllm_adapter import cuda_mla_dtype_problem
 from eagle3.capture.regenerate import RegenerateConfig, template_kwargs_problem
+from eagle3.capture.vllm_adapter import cuda_mla_dtype_problem
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems, read_chat_template
 from eagle3.draft.architecture import DraftArchitectureError, read_text_config, resolve
-from eagle3.train.ddp import DistError
-from eagle3.evaluate.acceptance import EvalConfig
-from eagle3.train.launch import resolve_num_processes
-from eagle3.online.feed import OnlineConfig, OnlineDataError, check_buffer
-from eagle3.train.config import TrainConfig, TrainError
 from eagle3.draft.vocab import VocabConfig
 from eagle3.engine.placement import PlacementError, split_cpus
-from eagle3.gpu.devices import placement_problems, visible_gpus
+from eagle3.evaluate.acceptance import EvalConfig
 from eagle3.gpu.cleanup import GpuCleanupConfig
+from eagle3.gpu.devices import placement_problems, visible_gpus
+from eagle3.online.feed import OnlineConfig, OnlineDataError, check_buffer
 from eagle3.storage import is_url
+from eagle3.train.config import TrainConfig, TrainError
+from eagle3.train.ddp import DistError
+from eagle3.train.launch import resolve_num_processes
 
 PresetName = Literal["tiny", "demo"]
 
