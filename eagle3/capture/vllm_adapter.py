@@ -395,8 +395,10 @@ def load_serving_engine(
     speculative_dir: str | None = None,
     num_speculative_tokens: int = 0,
     images: bool = False,
+    speculative_method: str = "eagle3",
 ):  # noqa: ANN201 - vllm.LLM
-    """An engine for generation (not capture), optionally speculating with an EAGLE-3 draft folder.
+    """An engine for generation (not capture), optionally speculating with an EAGLE-3 draft folder (or, with
+    speculative_method "dflash", a DFlash folder: eagle3.draft.dflash_export).
 
     Not pooled: the served evaluation loads the target twice, with and without the draft, and
     releases each with `shutdown_engine`. Stats logging is on, or the spec-decode counters stay empty.
@@ -410,7 +412,8 @@ def load_serving_engine(
     if speculative_dir is not None:
         if num_speculative_tokens < 1:
             raise VllmUnsupported(f"num_speculative_tokens is {num_speculative_tokens}; expected >= 1 with a draft")
-        speculative = {"method": "eagle3", "model": str(speculative_dir), "num_speculative_tokens": num_speculative_tokens}
+        speculative = {"method": speculative_method, "model": str(speculative_dir),
+                       "num_speculative_tokens": num_speculative_tokens}
         vllm_workarounds.patch_cpu_spec_decode_kernels(vllm.__version__)  # in-process engine (set above): the patch is where the runner is
     attention_backend = mla_attention_backend(str(model_dir), dtype, dtype_setting="eval.served_dtype")
     if speculative is not None and attention_backend is not None:
