@@ -48,8 +48,6 @@ from tests.eagle3 import arch_builders
 from tests.eagle3.draft_fixtures import single_thread
 from tests.on_device import DTYPE, assert_close, report
 
-pytestmark = pytest.mark.vllm
-
 LAYERS, AUX = 8, [2, 4, 5]  # the pipeline's default aux ids for 8 layers: [2, N//2, N-3]
 PROMPT, ANSWER = 8, 32
 MASK = arch_builders.VOCAB - 1  # an id the byte-level tokenizer never produces
@@ -273,6 +271,7 @@ def served(world):
     return alone, with_draft, counters, recorded, prompts
 
 
+@pytest.mark.vllm
 def test_vllm_reads_the_states_we_train_on(world, served):
     from transformers import Qwen3ForCausalLM
 
@@ -286,6 +285,7 @@ def test_vllm_reads_the_states_we_train_on(world, served):
     assert_close(theirs, ours, what="DFlash: vLLM's context states vs transformers' capture")
 
 
+@pytest.mark.vllm
 def test_vllm_dflash_module_computes_our_logits(world, served):
     *_, calls, _ = served
     draft = load_exported_dflash(world.export)
@@ -299,6 +299,7 @@ def test_vllm_dflash_module_computes_our_logits(world, served):
     assert calls.forwards[0]["logits"].std() > 0.1  # trained logits, not a degenerate comparison
 
 
+@pytest.mark.vllm
 def test_served_greedy_output_is_unchanged_and_the_draft_proposes(world, served):
     alone, with_draft, counters, _, _ = served
     report("DFlash served beside the tiny Qwen3 (4 prompts x 16 tokens)",
