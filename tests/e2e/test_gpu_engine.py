@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from eagle3.engine.registry import is_live, live_engines
-from tests.e2e import test_warm_engine as warm  # its _run and _loads; a module, so its tests are not collected twice
+from tests.e2e import test_online_kill as online  # modules, so their tests are not collected twice
+from tests.e2e import test_warm_engine as warm  # its _run and _loads
 from tests.e2e.conftest import run_cli
 from tests.on_device import DTYPE, report
 
@@ -108,8 +109,7 @@ def test_online_training_reads_the_engines_feed_on_the_gpu(tmp_path, env):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["acceptance_length"] >= 1.0 and (Path(summary["export_dir"]) / "model.safetensors").is_file()
-        stores = list((run_dir / "artifacts").glob("extract/*/train/manifest.json"))
-        assert stores == [], f"train.data=online wrote a store: {stores}"
+        online.assert_no_train_states_stored(summary)
         assert live_engines(Path(env["EAGLE3_CACHE_DIR"])) == []  # a finished online run stops its engine
     finally:
         _stop_engines(env)

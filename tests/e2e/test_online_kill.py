@@ -53,6 +53,16 @@ def _assert_same_draft(summary: dict, reference: dict) -> None:
         assert torch.allclose(mine[name].float(), theirs[name].float(), atol=1e-5, rtol=0), name
 
 
+def assert_no_train_states_stored(summary: dict) -> None:
+    """train.data=online keeps no train states on disk: the extract artifact's train store is empty (a manifest
+    listing no shard, no shard file); only the held-out split, which evaluation reads, is stored."""
+    (extracted,) = [row for row in summary["stages"] if row["name"] == "extract"]
+    store = Path(extracted["artifact"])
+    shards = json.loads((store / "train" / "manifest.json").read_text())["shards"]
+    assert shards == [] and list((store / "train").glob("*.safetensors")) == [], f"online stored train states: {shards}"
+    assert json.loads((store / "heldout" / "manifest.json").read_text())["shards"], "the held-out split was not stored"
+
+
 def _steps_logged(run_dir: Path) -> int:
     logs = list((run_dir / "artifacts" / "train").glob("*/losses.jsonl"))
     return len(logs[0].read_text().splitlines()) if logs else 0
@@ -74,6 +84,7 @@ def _start_and_wait(run_dir: Path, env: dict[str, str], steps: int) -> subproces
 def reference(env, tmp_path_factory) -> dict:
     summary = _run(tmp_path_factory.mktemp("reference") / "run", env)
     assert live_engines(Path(env["EAGLE3_CACHE_DIR"])) == []  # a finished online run stops its engine after train
+    assert_no_train_states_stored(summary)
     return summary
 
 
