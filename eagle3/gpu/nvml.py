@@ -138,6 +138,15 @@ class PynvmlBackend:
         info = self._ask("nvmlDeviceGetMemoryInfo", index, self._handle(index))
         return DeviceMemory(used_bytes=int(info.used), total_bytes=int(info.total))
 
+    def name(self, index: int) -> str:
+        """The GPU's product name, e.g. 'NVIDIA H200'."""
+        raw = self._ask("nvmlDeviceGetName", index, self._handle(index))
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def driver_version(self) -> str:
+        raw = self._ask("nvmlSystemGetDriverVersion", None)
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
     def processes(self, index: int) -> list[NvmlProcess]:
         handle = self._handle(index)
         found: dict[int, int | None] = {}

