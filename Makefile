@@ -23,7 +23,8 @@ test: $(STAMP)
 # GPU (marker vllm) beside the GPU-only ones (marker gpu). On a GPU machine with the `gpu` extra in .venv
 # (docs/gpu-install.md), or with the carried vLLM kit (.vk/env.sh, ../shared/tools/device-vllm). Never part of `make test`.
 GPU_TESTS ?= tests/eagle3/test_capture_vllm.py tests/eagle3/test_served_eval.py tests/eagle3/test_mla_draft.py \
-	tests/eagle3/test_capture_images.py tests/e2e/test_gpu_engine.py tests/eagle3/test_gpu.py tests/eagle3/test_online_hf.py
+	tests/eagle3/test_capture_images.py tests/e2e/test_gpu_engine.py tests/eagle3/test_gpu.py tests/eagle3/test_online_hf.py \
+	tests/eagle3/test_dflash.py
 
 test-gpu:
 	@if [ -f .vk/env.sh ]; then . ./.vk/env.sh; py=python3; else py=$(BIN)/python; fi; \
