@@ -25,6 +25,7 @@ from eagle3.draft.export import export_draft
 from eagle3.train.launch import resolve_num_processes, train_distributed
 from eagle3.evaluate.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
 from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
+from eagle3.evaluate.served_sweep import SweepReport, served_sweep
 from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
@@ -273,9 +274,11 @@ def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, ro
 
 # -- evaluate ----------------------------------------------------------------------------
 def fingerprint_evaluate(config: EvalConfig, exported: StageRecord | str, extracted: StageRecord) -> str:
-    """`exported`: the export record, or its fingerprint."""
-    return stage_fingerprint("evaluate", config, exported if isinstance(exported, str) else exported.fingerprint,
-                             states_fingerprint(extracted))
+    """`exported`: the export record, or its fingerprint. The served sweep's settings count only when set, so an
+    evaluation without a sweep keeps the fingerprint it had before they existed."""
+    unset = {name for name in ("served_concurrency", "served_k") if not getattr(config, name)}
+    return stage_fingerprint("evaluate", config.model_dump(mode="json", exclude=unset),
+                             exported if isinstance(exported, str) else exported.fingerprint, states_fingerprint(extracted))
 
 
 def chain_fingerprints(train: TrainConfig, evaluate: EvalConfig, target: StageRecord, extracted: StageRecord,
@@ -326,12 +329,16 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
             images=images, longest_prompt=longest,
         )
         bar.served(served.generated_tokens)
+    sweep = _served_sweep(config, Path(info.model_dir), exported.path, prompts, images) if config.served else None
     with building(final) as tmp:
         plots = _plots(tmp, exported, report, served)
         payload = {"simulated": report.to_dict(), "served": served.to_dict() if served is not None else None, "plots": plots}
+        if sweep is not None:
+            payload["served_sweep"] = sweep.to_dict()
         atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
         atomic_write_text(tmp / "acceptance.md", _markdown(report, served, plots, _checkpoint_table(exported),
-                                                           _source_section(payload, served)))
+                                                           _source_section(payload, served))
+                          + ("\n" + sweep.to_markdown() if sweep is not None else ""))
         stats = {"acceptance_length": round(report.acceptance_length, 4), "num_drafts": report.num_drafts,
                  "per_position": json.dumps([round(p, 4) for p in report.per_position])}
         if served is not None:
@@ -349,6 +356,21 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                                                          None if f.served is None else round(f.served, 4)}
                                               for f in SourceFigures.from_payload(payload)})
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
+
+
+def _served_sweep(config: EvalConfig, target_dir: Path, export_dir: Path, prompts: list[list[int]],
+                  images: list[list[str]]) -> SweepReport | None:
+    """The served sweep (eagle3.evaluate.served_sweep) when eval.served_concurrency or eval.served_k is set; else None."""
+    if not config.served_concurrency and not config.served_k:
+        return None
+    if any(images):
+        raise ValueError("eval.served_concurrency / eval.served_k: the served sweep sends text prompts only, and these "
+                         "held-out prompts hold images; expected text-only held-out data, or leave both settings empty")
+    report, _ = served_sweep(target_dir, export_dir, prompts, ks=config.served_k or [config.num_draft_tokens],
+                             concurrencies=config.served_concurrency or [len(prompts)],
+                             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
+                             kv_cache_gib=config.served_kv_cache_gib)
+    return report
 
 
 def _served_images(extracted: StageRecord, reader: StoreReader, rows: list[tuple[int, list[int]]],

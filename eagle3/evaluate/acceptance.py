@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from eagle3.capture.store import Sample, StoreReader
 from eagle3.data.conversations import UNLABELLED
@@ -63,6 +63,25 @@ class EvalConfig(BaseModel):
         "within this many nats of it (eagle3.evaluate.served_eval; bf16 logits between 16 and 32 are 0.125 apart: 0.25 "
         "is two bf16 steps)."
     )
+    served_concurrency: list[int] = Field(
+        default_factory=list, description="Requests in flight at once to measure the served speed at, e.g. [1, 8, 32]: "
+        "the prompts go in waves of that many (eagle3.evaluate.served_sweep). Empty: no sweep, one measurement."
+    )
+    served_k: list[int] = Field(
+        default_factory=list, description="num_speculative_tokens values the served sweep tries, one engine load each "
+        "(plus one without the draft). Empty: only num_draft_tokens. The sweep runs when either list is set."
+    )
+
+    @field_validator("served_concurrency", "served_k")
+    @classmethod
+    def _positive_and_distinct(cls, values: list[int], info: ValidationInfo) -> list[int]:
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise ValueError(f"eval.{info.field_name} has {bad[0]}; expected positive integers (at least 1)")
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise ValueError(f"eval.{info.field_name} repeats {repeated[0]}; expected each value once")
+        return values
 
 
 @dataclass(frozen=True)

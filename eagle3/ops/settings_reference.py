@@ -40,7 +40,8 @@ _KNOWN_ALTERNATIVES: dict[str, list[object]] = {"target.model": ["builtin:tiny",
                                                 "regenerate.endpoint": ["http://127.0.0.1:8000"],
                                                 "regenerate.api_key_env": ["VLLM_API_KEY"],
                                                 "regenerate.chat_template_kwargs": [{"enable_thinking": True}],
-                                                "target.devices": [[0]], "train.devices": [[0]]}
+                                                "target.devices": [[0]], "train.devices": [[0]],
+                                                "eval.served_concurrency": [[1, 8]], "eval.served_k": [[1, 2]]}
 # Settings with one valid value: nothing to compare.
 _FIXED = {"target.pipeline_parallel_size"}
 
