@@ -17,6 +17,7 @@ import torch
 
 from eagle3.artifacts import StageRecord, atomic_write_text, building, mark_complete
 from eagle3.capture.store import StoreReader
+from eagle3.capture.vllm_adapter import ServingSetup
 from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
 from eagle3.draft.architecture import read_text_config, resolve
@@ -290,13 +291,15 @@ def chain_fingerprints(train: TrainConfig, evaluate: EvalConfig, target: StageRe
 
 
 def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord,
-                 root: Path, fp: str, progress: Progress | None = None) -> StageRecord:
+                 root: Path, fp: str, progress: Progress | None = None,
+                 serving: ServingSetup = ServingSetup()) -> StageRecord:
     """(a) simulated acceptance on the held-out states; (b) with `config.served`, vLLM serving the
     target with the draft on the held-out prompts (the held-out store's token ids, up to each
     assistant turn). Writes acceptance.json, acceptance.md and the PNG plots.
 
     `progress` (done, total, tokens): one item per held-out sample scored, then two per served
-    prompt (with and without the draft), which count when the served evaluation returns."""
+    prompt (with and without the draft), which count when the served evaluation returns. `serving`: how the served
+    engines run (the target's tensor parallel size, vLLM's compile cache; not part of the fingerprint)."""
     final, done = _done(root, "evaluate", fp)
     if done:
         return done
@@ -326,10 +329,10 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
             Path(info.model_dir), exported.path, prompts, num_draft_tokens=config.num_draft_tokens,
             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
             kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap, sources=sources,
-            images=images, longest_prompt=longest,
+            images=images, longest_prompt=longest, setup=serving,
         )
         bar.served(served.generated_tokens)
-    sweep = _served_sweep(config, Path(info.model_dir), exported.path, prompts, images) if config.served else None
+    sweep = _served_sweep(config, Path(info.model_dir), exported.path, prompts, images, serving) if config.served else None
     with building(final) as tmp:
         plots = _plots(tmp, exported, report, served)
         payload = {"simulated": report.to_dict(), "served": served.to_dict() if served is not None else None, "plots": plots}
@@ -358,8 +361,14 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
 
 
+def serving_setup(target: TargetConfig, cache_root: Path) -> ServingSetup:
+    """How the served evaluation's engines run for this target: at target.tensor_parallel_size, with vLLM's compiled
+    graphs kept under the cache root (`cache_dir`, else $EAGLE3_CACHE_DIR) so that later loads skip compiling."""
+    return ServingSetup(tensor_parallel_size=target.tensor_parallel_size, cache_dir=str(cache_root / "vllm"))
+
+
 def _served_sweep(config: EvalConfig, target_dir: Path, export_dir: Path, prompts: list[list[int]],
-                  images: list[list[str]]) -> SweepReport | None:
+                  images: list[list[str]], serving: ServingSetup) -> SweepReport | None:
     """The served sweep (eagle3.evaluate.served_sweep) when eval.served_concurrency or eval.served_k is set; else None."""
     if not config.served_concurrency and not config.served_k:
         return None
@@ -369,7 +378,7 @@ def _served_sweep(config: EvalConfig, target_dir: Path, export_dir: Path, prompt
     report, _ = served_sweep(target_dir, export_dir, prompts, ks=config.served_k or [config.num_draft_tokens],
                              concurrencies=config.served_concurrency or [len(prompts)],
                              max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
-                             kv_cache_gib=config.served_kv_cache_gib)
+                             kv_cache_gib=config.served_kv_cache_gib, setup=serving)
     return report
 
 

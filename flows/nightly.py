@@ -75,7 +75,7 @@ def _evaluate(run: StageRunner, p: PipelineConfig, label: str, target: StageReco
               assembled: StageRecord) -> StageRecord:
     fp = draft_stages.fingerprint_evaluate(p.eval, exported, assembled)
     return run.stage("evaluate", draft_tasks.evaluate, fp, label=label, config=p.eval, target=target, exported=exported,
-                     extracted=assembled)
+                     extracted=assembled, serving=draft_stages.serving_setup(p.target, p.builtin_cache))
 
 
 def _train(run: StageRunner, p: PipelineConfig, target: StageRecord, assembled: StageRecord, vocab: StageRecord,

@@ -150,7 +150,8 @@ def draft_chain(run: StageRunner, config: PipelineConfig, target: StageRecord, e
         chain.exported = run.stage("export", draft_tasks.export, fps["export"], label=f"export{tag}", target=target,
                                    trained=chain.trained, vocab=vocab)
         chain.evaluated = run.stage("evaluate", draft_tasks.evaluate, fps["evaluate"], label=f"evaluate{tag}",
-                                    config=config.eval, target=target, exported=chain.exported, extracted=extracted)
+                                    config=config.eval, target=target, exported=chain.exported, extracted=extracted,
+                                    serving=draft_stages.serving_setup(config.target, config.builtin_cache))
         vllm_adapter.release_all()
     return chain
 

@@ -10,6 +10,7 @@ from prefect.logging import get_run_logger
 
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
+from eagle3.capture.vllm_adapter import ServingSetup
 from eagle3.evaluate.acceptance import EvalConfig
 from eagle3.train.config import TrainConfig
 from eagle3.draft.vocab import VocabConfig
@@ -44,6 +45,7 @@ def export(target: StageRecord, trained: StageRecord, vocab: StageRecord, root: 
 
 
 @task(name="evaluate")
-def evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord, root: Path, fp: str) -> StageRecord:
+def evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord, extracted: StageRecord, root: Path, fp: str,
+             serving: ServingSetup = ServingSetup()) -> StageRecord:
     return draft_stages.run_evaluate(config, target, exported, extracted, root, fp,
-                                     progress=progress_reporter("evaluate", "items"))
+                                     progress=progress_reporter("evaluate", "items"), serving=serving)

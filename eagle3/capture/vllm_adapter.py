@@ -280,15 +280,20 @@ def cpu_thread_binding(ranks: int, cpus: Sequence[int]) -> str:
 
 
 def _tensor_parallel_env(spec: EngineSpec) -> None:
-    """What a TP > 1 engine needs in this process's environment before it starts its workers."""
-    import torch
-
+    """What a TP > 1 capture engine needs in this process's environment before it starts its workers."""
     if spec.tensor_parallel_size == 1:
         return
     # the capture's functions travel to the workers through collective_rpc (eagle3.capture.tp_capture)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tensor_parallel_size,
+    _cpu_thread_env(spec.tensor_parallel_size)
+
+
+def _cpu_thread_env(tensor_parallel_size: int) -> None:
+    """On the CPU build, each of a TP > 1 engine's workers gets its own share of this process's cores."""
+    import torch
+
+    if tensor_parallel_size > 1 and not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size,
                                                                               sorted(os.sched_getaffinity(0))))
 
 
@@ -385,6 +390,47 @@ class GreedyOutput:
     prompt_tokens: int = 0  # the prompt's length as the engine ran it (each image expanded to its image tokens)
 
 
+@dataclass(frozen=True)
+class ServingSetup:
+    """How the served evaluation's engines run: where and how fast, never what they compute, so no fingerprint
+    holds it. The defaults are what `vllm serve` does on a GPU."""
+
+    tensor_parallel_size: int = 1  # GPUs one engine spreads the target over (the pipeline passes target.tensor_parallel_size)
+    # None: vLLM's defaults (torch.compile and CUDA graphs) on a GPU, eager on the CPU build (where torch.compile
+    # takes minutes on a few cores and there are no CUDA graphs); True: eager everywhere (faster to load, slower to serve)
+    eager: bool | None = None
+    # VLLM_CACHE_ROOT, where vLLM keeps compiled graphs so a later load of the same target skips compiling; a
+    # VLLM_CACHE_ROOT already set in the environment wins. None: vLLM's own (~/.cache/vllm)
+    cache_dir: str | None = None
+
+    def eager_on(self, cpu_build: bool) -> bool:
+        return True if cpu_build else bool(self.eager)
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """How a loaded serving engine runs, read from its own config after the load (what acceptance.md states)."""
+
+    compiled: bool  # torch.compile on (vLLM's compilation mode is not NONE)
+    cuda_graphs: bool  # CUDA graphs captured (cudagraph_mode is not NONE)
+    tensor_parallel_size: int
+    load_seconds: float
+
+    def describe(self) -> str:
+        how = ("torch.compile and CUDA graphs" if self.compiled and self.cuda_graphs else
+               "torch.compile, no CUDA graphs" if self.compiled else
+               "CUDA graphs, no torch.compile" if self.cuda_graphs else "eager (no torch.compile, no CUDA graphs)")
+        return f"{how}, tensor parallel {self.tensor_parallel_size}, loaded in {self.load_seconds:.1f} s"
+
+
+def engine_mode(llm, load_seconds: float = 0.0) -> EngineMode:  # noqa: ANN001 - vllm.LLM
+    """Read how `llm` runs from its vLLM config (the same fields check_capture_safe reads)."""
+    config = llm.llm_engine.vllm_config
+    return EngineMode(compiled=int(config.compilation_config.mode) != 0,
+                      cuda_graphs=str(config.compilation_config.cudagraph_mode).split(".")[-1] != "NONE",
+                      tensor_parallel_size=tensor_parallel_size(llm), load_seconds=round(load_seconds, 2))
+
+
 def load_serving_engine(
     model_dir: str,
     *,
@@ -396,18 +442,25 @@ def load_serving_engine(
     num_speculative_tokens: int = 0,
     images: bool = False,
     speculative_method: str = "eagle3",
+    setup: ServingSetup = ServingSetup(),
 ):  # noqa: ANN201 - vllm.LLM
     """An engine for generation (not capture), optionally speculating with an EAGLE-3 draft folder (or, with
     speculative_method "dflash", a DFlash folder: eagle3.draft.dflash_export).
 
-    Not pooled: the served evaluation loads the target twice, with and without the draft, and
-    releases each with `shutdown_engine`. Stats logging is on, or the spec-decode counters stay empty.
-    Token-id prompts only (no tokenizer is loaded, so folders without one work too); `images`: prompts may carry
-    images (vLLM's multimodal processor needs the target's tokenizer, so it is loaded).
+    Run as `vllm serve` runs it by default (`setup`): on a GPU with torch.compile and CUDA graphs, at the target's
+    tensor parallel size; on the CPU build eager. Not pooled: the served evaluation loads the target twice, with
+    and without the draft, and releases each with `shutdown_engine`. Stats logging is on, or the spec-decode
+    counters stay empty. Token-id prompts only (no tokenizer is loaded, so folders without one work too); `images`:
+    prompts may carry images (vLLM's multimodal processor needs the target's tokenizer, so it is loaded).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+    if setup.cache_dir:
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(setup.cache_dir))
+    _cpu_thread_env(setup.tensor_parallel_size)
     vllm = _import_vllm()
+    from vllm.platforms import current_platform
+
     speculative = None
     if speculative_dir is not None:
         if num_speculative_tokens < 1:
@@ -422,7 +475,7 @@ def load_serving_engine(
         # an MLA draft takes its backend from here, never from the target (v1/spec_decode/llm_base_proposer.py):
         # on an AMX CPU a float32 draft would pick AMX_MLA and refuse its weights
         speculative["attention_backend"] = attention_backend
-    target_preflight(Path(model_dir), 1, kv_cache_gib)
+    target_preflight(Path(model_dir), setup.tensor_parallel_size, kv_cache_gib)  # before any load: fits these GPUs?
     process_threads.remember()  # put back by shutdown_engine
     per_request = vllm_versions.serving_options(vllm_versions.features(vllm.__version__), speculative=speculative is not None)
     return _new_llm(
@@ -430,9 +483,10 @@ def load_serving_engine(
         model=str(model_dir),
         dtype=dtype,
         max_model_len=max_model_len,
-        enforce_eager=True,
+        enforce_eager=setup.eager_on(current_platform.is_cpu()),
         enable_prefix_caching=False,
-        distributed_executor_backend="uni",
+        tensor_parallel_size=setup.tensor_parallel_size,
+        distributed_executor_backend="uni" if setup.tensor_parallel_size == 1 else "mp",
         seed=seed,
         disable_log_stats=False,
         skip_tokenizer_init=not images,

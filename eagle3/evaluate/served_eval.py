@@ -140,6 +140,8 @@ class ServedReport:
     request_sources: list[str | None] = field(default_factory=list)  # each prompt's data source; empty: none named
     prompt_tokens: int = 0  # the prompts' tokens as vLLM ran them (images expanded), in the run without the draft
     prompts_with_images: int = 0  # prompts sent with their images
+    # how each engine ran, read from its config after the load: [with the draft, without it] (empty: not recorded)
+    engines: list[vllm_adapter.EngineMode] = field(default_factory=list)
 
     @property
     def per_source(self) -> dict[str, dict[str, float | int]]:
@@ -211,7 +213,7 @@ class ServedReport:
         text = (
             f"**Served acceptance length (vLLM's counters): {self.acceptance_length:.3f}** "
             f"({self.num_drafts} drafts of {len(self.per_position)} tokens over {self.num_prompts} prompts). "
-            f"{self._pooled_and_mean()}{self._images()}\n\n{self._speed()}"
+            f"{self._pooled_and_mean()}{self._images()}\n\n{self._speed()}{self._engines()}"
             f"{header}\n{rule}\n{row}\n\n"
             f"Greedy output identical to the run without speculation: {self.identical}/{self.num_prompts} "
             f"({self.identical_share:.1%}); of the {len(self.divergences)} that differ, {self.near_ties} are proven "
@@ -254,6 +256,12 @@ class ServedReport:
                      "a large target on a GPU. On a CPU, or with a target barely larger than its draft, the draft's "
                      "own cost and the longer verify pass eat what the accepted tokens save.")
         return text + "\n\n"
+
+    def _engines(self) -> str:
+        if len(self.engines) != 2:
+            return ""
+        spec, ref = self.engines
+        return f"Engines: with the draft {spec.describe()}; without it {ref.describe()}.\n\n"
 
     def _divergence_table(self) -> str:
         def cell(rank: int | None, gap: float | None) -> str:
@@ -347,41 +355,42 @@ def served_acceptance(
     sources: Sequence[str | None] = (),
     images: Sequence[Sequence[str]] = (),
     longest_prompt: int | None = None,
+    setup: vllm_adapter.ServingSetup = vllm_adapter.ServingSetup(),
 ) -> ServedReport:
     """Serve the target with and without the draft on `prompts` (greedy) and compare; see the module docstring.
     `sources`: each prompt's data source (empty: none), for the per-source served figures. `images`: per prompt its
-    image URLs (empty: text only), `longest_prompt` then the longest prompt as the engine runs it (images expanded)."""
+    image URLs (empty: text only), `longest_prompt` then the longest prompt as the engine runs it (images expanded).
+    `setup`: how the engines run (vllm_adapter.ServingSetup: by default as `vllm serve` runs them); each engine's mode
+    and load time go into the report."""
     if not prompts:
         raise ValueError("no held-out prompts to serve; raise data.heldout_fraction or evaluate.served_max_prompts")
     pictures = list(images) if any(images) else None
     longest = max([len(p) for p in prompts] + ([longest_prompt] if longest_prompt else []))
     max_model_len = longest + max_new_tokens + num_draft_tokens + 1
-    settings = dict(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, images=pictures is not None)
+    settings = dict(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, images=pictures is not None,
+                    setup=setup)
     vllm_adapter.release_all()  # one engine in memory at a time
-    llm = vllm_adapter.load_serving_engine(
-        str(target_dir), **settings, speculative_dir=str(export_dir), num_speculative_tokens=num_draft_tokens
-    )
-    try:
-        before = vllm_adapter.spec_decode_counters(llm)
+
+    def run(**speculative: object) -> tuple[list[vllm_adapter.GreedyOutput], float, vllm_adapter.SpecDecodeCounters,
+                                            vllm_adapter.EngineMode]:
         started = time.monotonic()
-        spec = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS,
-                                            images=pictures)
-        seconds_spec = time.monotonic() - started
-        counters = vllm_adapter.spec_decode_counters(llm).minus(before)
-    finally:
-        vllm_adapter.shutdown_engine(llm)
-        del llm
-    llm = vllm_adapter.load_serving_engine(str(target_dir), **settings)
-    try:
-        started = time.monotonic()
-        ref = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens, num_logprobs=TOP_LOGPROBS,
-                                           images=pictures)
-        seconds_ref = time.monotonic() - started
-    finally:
-        vllm_adapter.shutdown_engine(llm)
-        del llm
+        llm = vllm_adapter.load_serving_engine(str(target_dir), **settings, **speculative)
+        try:
+            mode = vllm_adapter.engine_mode(llm, time.monotonic() - started)
+            before = vllm_adapter.spec_decode_counters(llm)
+            started = time.monotonic()
+            outputs = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens,
+                                                   num_logprobs=TOP_LOGPROBS, images=pictures)
+            seconds = time.monotonic() - started
+            return outputs, seconds, vllm_adapter.spec_decode_counters(llm).minus(before), mode
+        finally:
+            vllm_adapter.shutdown_engine(llm)
+            del llm
+
+    spec, seconds_spec, counters, spec_mode = run(speculative_dir=str(export_dir), num_speculative_tokens=num_draft_tokens)
+    ref, seconds_ref, _, ref_mode = run()
     report = build_report(counters, spec, ref, num_draft_tokens, near_tie_gap, seconds_spec, seconds_ref, sources)
-    return replace(report, prompts_with_images=sum(map(bool, images)))
+    return replace(report, prompts_with_images=sum(map(bool, images)), engines=[spec_mode, ref_mode])
 
 
 def build_report(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3.capture import vllm_adapter
@@ -54,6 +54,8 @@ class SweepReport:
 
     export_dir: str
     rows: list[SweepRow]
+    # how each engine ran and how long it took to load: "target" (no draft) and "k=N" (empty: not recorded)
+    engines: dict[str, vllm_adapter.EngineMode] = field(default_factory=dict)
 
     def recommendations(self) -> list[Recommendation]:
         out = []
@@ -65,7 +67,8 @@ class SweepReport:
 
     def to_dict(self) -> dict[str, object]:
         return {"rows": [asdict(r) | {"speedup": r.speedup} for r in self.rows],
-                "recommendation": [asdict(r) for r in self.recommendations()]}
+                "recommendation": [asdict(r) for r in self.recommendations()],
+                "engines": {name: asdict(mode) for name, mode in self.engines.items()}}
 
     def to_markdown(self) -> str:
         lines = ["### Speed per concurrency and k", "",
@@ -82,6 +85,9 @@ class SweepReport:
             else:
                 lines.append(f"- concurrency {rec.concurrency}: k={rec.k} ({rec.speedup:.2f}x): "
                              f"`--speculative-config '{rec.speculative_config}'`")
+        if self.engines:
+            lines += ["", "Engines (one load each):", ""]
+            lines += [f"- {name}: {mode.describe()}" for name, mode in self.engines.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -109,18 +115,24 @@ def _measure(llm, prompts: Sequence[Sequence[int]], concurrency: int,
 
 def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *, ks: Sequence[int],
                  concurrencies: Sequence[int], max_new_tokens: int, dtype: str = "auto",
-                 kv_cache_gib: float = 1.0) -> tuple[SweepReport, dict[int, int]]:
+                 kv_cache_gib: float = 1.0,
+                 setup: vllm_adapter.ServingSetup = vllm_adapter.ServingSetup()) -> tuple[SweepReport, dict[int, int]]:
     """Load the target without the draft, then with it at each k, and measure every concurrency on each engine
     (len(ks) + 1 loads). Returns the report and, per k, how many outputs differ from the target's greedy ones."""
     if not prompts:
         raise ValueError("no held-out prompts to serve; raise data.heldout_fraction or evaluate.served_max_prompts")
     max_model_len = max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1
-    settings = {"dtype": dtype, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib, "images": False}
+    settings = {"dtype": dtype, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib, "images": False,
+                "setup": setup}
+    engines: dict[str, vllm_adapter.EngineMode] = {}
 
     def run(**speculative: object) -> dict[int, tuple[list[vllm_adapter.GreedyOutput], float, vllm_adapter.SpecDecodeCounters]]:
         vllm_adapter.release_all()  # one engine in memory at a time
+        started = time.monotonic()
         llm = vllm_adapter.load_serving_engine(str(target_dir), **settings, **speculative)
         try:
+            name = f"k={speculative['num_speculative_tokens']}" if speculative else "target"
+            engines[name] = vllm_adapter.engine_mode(llm, time.monotonic() - started)
             return {c: _measure(llm, prompts, c, max_new_tokens) for c in concurrencies}
         finally:
             vllm_adapter.shutdown_engine(llm)
@@ -139,4 +151,4 @@ def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *
             rate_ref = sum(len(o.token_ids) for o in ref) / seconds_ref if seconds_ref > 0 else 0.0
             drafts = counters.drafts
             rows.append(SweepRow(k, c, 1.0 + counters.accepted_tokens / drafts if drafts else 1.0, rate, rate_ref))
-    return SweepReport(str(export_dir), rows), changed
+    return SweepReport(str(export_dir), rows, engines), changed

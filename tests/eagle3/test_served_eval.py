@@ -128,6 +128,17 @@ def test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged(tmp_path)
     with_draft, without = served["tokens_per_second"]
     assert served["speedup"] == pytest.approx(with_draft / without) and stats["served_speedup"] > 0
     assert f"**Speedup: {served['speedup']:.2f}x**" in markdown
+    # Both engines ran as `vllm serve` runs them (read back from each engine's own config): torch.compile and CUDA
+    # graphs on a GPU, eager on the CPU build; the report says so with each load's time.
+    on_gpu = torch.cuda.is_available()
+    assert len(served["engines"]) == 2, served["engines"]
+    for engine in served["engines"]:
+        assert (engine["compiled"], engine["cuda_graphs"], engine["tensor_parallel_size"]) == (on_gpu, on_gpu, 1), engine
+        assert engine["load_seconds"] > 0
+    how = "torch.compile and CUDA graphs" if on_gpu else "eager (no torch.compile, no CUDA graphs)"
+    assert f"Engines: with the draft {how}, tensor parallel 1, loaded in " in markdown
+    report("served engines", "; ".join(f"compiled {e['compiled']}, CUDA graphs {e['cuda_graphs']}, loaded in "
+                                       f"{e['load_seconds']:.1f} s" for e in served["engines"]))
     assert stats["acceptance_length"] == round(simulated["acceptance_length"], 4)
     assert "(a) Simulated" in markdown and "(b) Served by vLLM" in markdown
     for name in ("acceptance_by_position.png", "training_loss.png"):

