@@ -475,7 +475,8 @@ def load_serving_engine(
         # an MLA draft takes its backend from here, never from the target (v1/spec_decode/llm_base_proposer.py):
         # on an AMX CPU a float32 draft would pick AMX_MLA and refuse its weights
         speculative["attention_backend"] = attention_backend
-    target_preflight(Path(model_dir), setup.tensor_parallel_size, kv_cache_gib)  # before any load: fits these GPUs?
+    # before any load: does the target fit the GPUs this engine gets at this tensor parallel size?
+    target_preflight(Path(model_dir), setup.tensor_parallel_size, kv_cache_gib, kv_setting="eval.served_kv_cache_gib")
     process_threads.remember()  # put back by shutdown_engine
     per_request = vllm_versions.serving_options(vllm_versions.features(vllm.__version__), speculative=speculative is not None)
     return _new_llm(

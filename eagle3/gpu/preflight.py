@@ -47,8 +47,9 @@ def engine_devices(tensor_parallel_size: int) -> list[int]:
 
 
 def target_preflight(model_dir: Path, tensor_parallel_size: int, kv_cache_gib: float,
-                     nvml: NvmlLike | None = None) -> dict[str, object]:
+                     nvml: NvmlLike | None = None, kv_setting: str = "target.kv_cache_gib") -> dict[str, object]:
     """Check free GPU memory for loading the target at `model_dir`; returns a JSON-able report.
+    `kv_setting`: the setting `kv_cache_gib` comes from, named in the refusal (the served engines': eval.served_kv_cache_gib).
 
     Raises InsufficientGpuMemoryError (from eagle3.gpu.nvml.preflight) naming each GPU that is short.
     """
@@ -68,7 +69,7 @@ def target_preflight(model_dir: Path, tensor_parallel_size: int, kv_cache_gib: f
         except (InsufficientGpuMemoryError, ValueError) as err:
             raise InsufficientGpuMemoryError(
                 f"{err} Target {model_dir}: {report['need_mib']} MiB per GPU = weights / target.tensor_parallel_size="
-                f"{tensor_parallel_size} + target.kv_cache_gib={kv_cache_gib:g}; GPUs checked: {devices}."
+                f"{tensor_parallel_size} + {kv_setting}={kv_cache_gib:g}; GPUs checked: {devices}."
             ) from err
         return report | {"checked": True, "gpus": [{"index": g.index, "free_mib": g.free_mib, "total_mib": g.total_mib}
                                                    for g in checked]}
