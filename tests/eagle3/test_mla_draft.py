@@ -29,7 +29,7 @@ from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, res
 from eagle3.train.config import TrainConfig
 from tests.eagle3 import arch_builders
 from tests.eagle3.vllm_drafter import first_two_draft_forwards
-from tests.on_device import DTYPE, TINY_TRAIN_ON_DEVICE, assert_close, eager_serving, report
+from tests.on_device import DTYPE, ON_CUDA, TINY_TRAIN_ON_DEVICE, assert_close, eager_serving, report
 
 pytestmark = pytest.mark.vllm
 
@@ -333,6 +333,8 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
     assert served["prompt_tokens"] == as_stored
     assert served["identical"] == served["num_prompts"] and served["num_drafts"] > 0
     assert "held images and were sent with them" in (record.path / "acceptance.md").read_text()
+    # the Kimi-K2.5 target and our MLA draft served as `vllm serve` runs them: compiled with CUDA graphs on a GPU
+    assert [(e["compiled"], e["cuda_graphs"]) for e in served["engines"]] == [(ON_CUDA, ON_CUDA)] * 2, served["engines"]
 
 
 def test_float32_mla_on_cuda_is_refused_naming_the_setting_and_16_bit_or_other_targets_pass(tmp_path: Path):
