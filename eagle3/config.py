@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from eagle3.capture.extract import ExtractConfig, storage_dtype
 from eagle3.capture.regenerate import RegenerateConfig, template_kwargs_problem
+from eagle3.capture.synthesize import SynthesizeConfig
 from eagle3.capture.vllm_adapter import cuda_mla_dtype_problem
-from eagle3.data.conversations import DataConfig
+from eagle3.data.conversations import SYNTHESIZE, DataConfig
 from eagle3.data.target import TargetConfig, TargetInfo, check_aux_layer_ids, parallel_problems, read_chat_template
 from eagle3.draft.architecture import DraftArchitectureError, read_text_config, resolve
 from eagle3.draft.vocab import VocabConfig
@@ -68,6 +69,8 @@ class PipelineConfig(BaseModel):
     gpu: GpuCleanupConfig = Field(default_factory=GpuCleanupConfig, description="gpu_cleanup stage")
     target: TargetConfig = Field(default_factory=TargetConfig, description="stage_target: the model to draft for")
     data: DataConfig = Field(default_factory=DataConfig, description="prepare_data: conversations and tokenization")
+    synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig,
+                                         description="synthesize (data.source=synthesize): target-written prompts")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="regenerate: target-written answers")
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description="extract: hidden-state capture")
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="vocab: draft vocabulary mapping")
@@ -92,6 +95,8 @@ class PipelineConfig(BaseModel):
                 f"target.max_model_len={self.target.max_model_len} (each turn's prompt plus its answer must fit); lower "
                 "regenerate.max_new_tokens or raise target.max_model_len (up to the target's own context)"
             )
+        if problem := synthesize_problem(self):
+            raise ValueError(problem)
         if self.extract.parts > 1 and (problem := shared_root_problem(
                 self.artifact_root, f"extract.parts={self.extract.parts} runs the parts", "extract.parts=1")):
             raise ValueError(problem)
@@ -114,6 +119,22 @@ class PipelineConfig(BaseModel):
         from eagle3.data.builtin_targets import default_cache_dir
 
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+
+def synthesize_problem(config: PipelineConfig) -> str | None:
+    """What data.source=synthesize cannot run with (None: nothing)."""
+    if config.data.source != SYNTHESIZE:
+        return None
+    if not config.regenerate.enabled:
+        return ("data.source='synthesize' writes the prompts only and regenerate writes the answers, but "
+                "regenerate.enabled=false; set regenerate.enabled=true, or data.source to a file of conversations")
+    if config.extract.parts > 1:
+        return (f"data.source='synthesize' runs in one flow run, but extract.parts={config.extract.parts}; set "
+                "extract.parts=1")
+    if config.synthesize.max_prompt_tokens >= config.target.max_model_len:
+        return (f"synthesize.max_prompt_tokens={config.synthesize.max_prompt_tokens} leaves no room for the user-turn "
+                f"prefix in target.max_model_len={config.target.max_model_len}; lower synthesize.max_prompt_tokens")
+    return None
 
 
 def online_problem(config: PipelineConfig) -> str | None:

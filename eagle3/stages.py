@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from eagle3.capture import vllm_adapter
 from eagle3.capture.data_parallel import Split, extract_with_engines
 from eagle3.gpu.devices import cuda_visible
 from eagle3.capture.extract import FAN_OUT_SETTINGS, ExtractConfig, check_inputs, extract_store, storage_dtype
+from eagle3.capture import synthesize as synth
 from eagle3.capture.regenerate import JOURNAL, RUNTIME_REGENERATE_SETTINGS, RegenerateConfig, regenerate
 from eagle3.data import conversations
 from eagle3.data.builtin_targets import default_cache_dir
@@ -48,9 +50,11 @@ from eagle3.draft.target_head import extract_target_head
 from eagle3.engine import pool as engine_pool
 from eagle3.fingerprint import fingerprint, hash_files
 
+log = logging.getLogger(__name__)
 # Bump a stage's version when its output format or meaning changes.
 VERSIONS = {
     "stage_target": "1",
+    "synthesize": "1",
     "regenerate": "2",  # 2: turn by turn (max_turns), reasoning kept apart (reasoning_content), template kwargs
     "prepare_data": "1",
     "extract": "1",
@@ -188,6 +192,60 @@ def _tokenizer(target: StageRecord, trust_remote_code: bool):  # noqa: ANN202
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(TargetInfo.read(target.path).model_dir, trust_remote_code=trust_remote_code)
+
+
+# -- synthesize (data.source=synthesize) -------------------------------------------------
+SYNTHESIZED = "conversations.jsonl"  # synthesize: regenerate's input (eagle3.capture.synthesize)
+
+
+def fingerprint_synthesize(config: synth.SynthesizeConfig, regen: RegenerateConfig, target: StageRecord) -> str:
+    """The prompts depend on their settings, the target and the template variables the prefix is rendered with."""
+    settings = {"synthesize": config, "chat_template_kwargs": regen.chat_template_kwargs}
+    return stage_fingerprint("synthesize", settings, target.fingerprint)
+
+
+def run_synthesize(config: synth.SynthesizeConfig, regen: RegenerateConfig, target_config: TargetConfig,
+                   target: StageRecord, root: Path, fp: str, load_log: Path, progress: Progress | None = None) -> StageRecord:
+    """The target writes config.prompts distinct user prompts (eagle3.capture.synthesize); built in place, so that its
+    journal outlives a killed run, the completion marker last. The template is checked before anything is written."""
+    final, done = _done(root, "synthesize", fp)
+    if done:
+        return done
+    tokenizer = _tokenizer(target, target_config.trust_remote_code)
+    info = TargetInfo.read(target.path)
+    turn = synth.user_turn(tokenizer, config.system_prompts, regen.chat_template_kwargs, info.model_dir)
+    longest = max(len(p) for p in turn.prefixes) + config.max_prompt_tokens
+    if longest > target_config.max_model_len:
+        raise DataError(f"synthesize.max_prompt_tokens={config.max_prompt_tokens}: a user-turn prefix plus it takes "
+                        f"{longest} tokens, more than target.max_model_len={target_config.max_model_len}; lower "
+                        "synthesize.max_prompt_tokens (or shorten synthesize.system_prompts)")
+    final.mkdir(parents=True, exist_ok=True)
+    engine = (target_engine(target_config, target, load_log) if regen.endpoint is None
+              else _once(lambda: _endpoint(regen, target_config, target, tokenizer, load_log)))
+    result = synth.synthesize(tokenizer, engine, config, turn, final / synth.JOURNAL, progress)
+    if not result.kept:
+        raise DataError(f"synthesize: the target wrote no usable prompt in {result.requests} requests ({result.dropped}); "
+                        "raise synthesize.temperature or synthesize.max_prompt_tokens")
+    if len(result.kept) < config.prompts:
+        log.warning("synthesize: kept %d of synthesize.prompts=%d prompts after %d requests (dropped: %s); raise "
+                    "synthesize.max_rounds or synthesize.temperature for more", len(result.kept), config.prompts,
+                    result.requests, result.dropped)
+    conversations.write_conversations(final / f".{SYNTHESIZED}.tmp", synth.conversations_of(result.kept, config.system_prompts))
+    os.replace(final / f".{SYNTHESIZED}.tmp", final / SYNTHESIZED)
+    stats = {"prompts": len(result.kept), "wanted": config.prompts, "requests": result.requests,
+             "reused_requests": result.reused, "generated_tokens": result.generated_tokens,
+             "cut": sum(row.cut for row in result.kept), **{f"dropped_{k.replace('-', '_')}": v for k, v in result.dropped.items()},
+             "sample": json.dumps([row.text for row in result.kept[:SAMPLE_PROMPTS]], ensure_ascii=False)}
+    return mark_complete(final, StageRecord(stage="synthesize", uri=str(final), fingerprint=fp, stats=stats))
+
+
+SAMPLE_PROMPTS = 5  # prompts the synthesize stage's record (and the run's data report) shows
+
+
+def synthesized_data(config: DataConfig, synthesized: StageRecord, prompts: int) -> DataConfig:
+    """The data settings regenerate and prepare_data run with after synthesis: the synthesized conversations as the
+    source, all of them (`prompts`: synthesize.prompts)."""
+    return config.model_copy(update={"source": str(synthesized.path / SYNTHESIZED), "max_samples": prompts})
 
 
 # -- regenerate --------------------------------------------------------------------------

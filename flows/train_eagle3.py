@@ -1,12 +1,13 @@
 """The train_eagle3 flow: the whole DAG, read top to bottom.
 
-gpu_cleanup -> stage_target -> regenerate -> prepare_data -> extract -> gpu_cleanup
+gpu_cleanup -> stage_target -> (synthesize) -> regenerate -> prepare_data -> extract -> gpu_cleanup
 -> vocab -> train -> export -> evaluate
 
 Each cached stage is keyed by its content fingerprint; the flow computes it from the
 upstream records, checks that the artifact is whole, and calls the task. The target is
-loaded by the first stage that has real work for it (regenerate or extract) and shared
-by both; it is released before training.
+loaded by the first stage that has real work for it (synthesize, regenerate or extract) and
+shared by them; it is released before training. synthesize runs only with data.source
+synthesize (docs/synthesize.md): the target writes the prompts that regenerate then answers.
 
 train.data online/hybrid (docs/online-training.md): the target runs in a warm engine process
 (eagle3.engine) that stays loaded from extract through train and captures the train split's
@@ -38,6 +39,7 @@ from eagle3.artifacts import StageRecord
 from eagle3.capture import vllm_adapter
 from eagle3.config import PipelineConfig, check_against_target
 from eagle3.data.builtin_targets import default_cache_dir
+from eagle3.data.conversations import SYNTHESIZE
 from eagle3.data.target import TargetInfo
 from eagle3.engine import pool as engine_pool
 from eagle3.ops import incremental, parts
@@ -89,13 +91,20 @@ def target_stages(run: StageRunner, config: PipelineConfig, load_log: Path, clea
                            config=config.target, cache_dir=config.builtin_cache)
         for checked in (config, *also_check):
             check_against_target(checked, TargetInfo.read(target.path))  # in seconds, not after extraction
+        data, synthesized = config.data, None
+        if data.source == SYNTHESIZE:  # the target writes the prompts; regenerate answers them (one engine load)
+            synthesized = run.stage("synthesize", data_tasks.synthesize,
+                                    stages.fingerprint_synthesize(config.synthesize, config.regenerate, target),
+                                    config=config.synthesize, regen=config.regenerate, target_config=target_config,
+                                    target=target, load_log=load_log)
+            data = stages.synthesized_data(data, synthesized, config.synthesize.prompts)
         regen = run.stage("regenerate", data_tasks.regenerate,
-                          stages.fingerprint_regenerate(config.regenerate, config.data, target, config.target.max_model_len),
-                          config=config.regenerate, data_config=config.data, target_config=target_config, target=target,
+                          stages.fingerprint_regenerate(config.regenerate, data, target, config.target.max_model_len),
+                          config=config.regenerate, data_config=data, target_config=target_config, target=target,
                           load_log=load_log)
-        prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(config.data, regen, target),
-                             config=config.data, regenerated=regen, target=target, trust_remote_code=config.target.trust_remote_code)
-        outcome["data"] = data_report(regen, prepared)
+        prepared = run.stage("prepare_data", data_tasks.prepare_data, stages.fingerprint_prepare(data, regen, target),
+                             config=data, regenerated=regen, target=target, trust_remote_code=config.target.trust_remote_code)
+        outcome["data"] = data_report(regen, prepared, synthesized)
         extracted = run.stage("extract", data_tasks.extract, stages.fingerprint_extract(extract_config, config.target, prepared, target),
                               config=extract_config, target_config=target_config, prepared=prepared, target=target, load_log=load_log)
         if not online:  # free the target's memory before training: our warm engine stops, or sleeps (target.sleep_during_train)

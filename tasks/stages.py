@@ -17,6 +17,7 @@ from eagle3 import stages
 from eagle3.artifacts import StageRecord
 from eagle3.capture.extract import ExtractConfig
 from eagle3.capture.regenerate import RegenerateConfig
+from eagle3.capture.synthesize import SynthesizeConfig
 from eagle3.data.conversations import DataConfig
 from eagle3.data.target import TargetConfig
 from tasks.progress import progress_reporter
@@ -26,6 +27,15 @@ from tasks.retry import ENGINE_RETRY_DELAYS, batch_tokens_for_attempt, retry_tra
 @task(name="stage_target")
 def stage_target(config: TargetConfig, cache_dir: Path, root: Path, fp: str) -> StageRecord:
     return stages.run_stage_target(config, cache_dir, root, fp)
+
+
+@task(name="synthesize", retries=len(ENGINE_RETRY_DELAYS), retry_delay_seconds=ENGINE_RETRY_DELAYS,
+      retry_condition_fn=retry_transient)
+def synthesize(config: SynthesizeConfig, regen: RegenerateConfig, target_config: TargetConfig, target: StageRecord,
+               root: Path, fp: str, load_log: Path) -> StageRecord:
+    with transient_failures():
+        return stages.run_synthesize(config, regen, target_config, target, root, fp, load_log,
+                                     progress=progress_reporter("synthesize", "prompts"))
 
 
 @task(name="regenerate", retries=len(ENGINE_RETRY_DELAYS), retry_delay_seconds=ENGINE_RETRY_DELAYS,

@@ -60,6 +60,7 @@ from eagle3.data.images import ImageError, Part, check_images, image_urls, parse
 log = logging.getLogger(__name__)
 Role = Literal["system", "user", "assistant"]
 BUILTIN_CHATTERBOT = "builtin:chatterbot"
+SYNTHESIZE = "synthesize"  # data.source: the target writes the prompts (eagle3.capture.synthesize, docs/synthesize.md)
 UNLABELLED = "(no source)"  # evaluate's group of the samples without a source, when others have one
 
 
@@ -74,7 +75,8 @@ class DataConfig(BaseModel):
         default=BUILTIN_CHATTERBOT,
         description="Conversations: 'builtin:chatterbot' (installed chatterbot-corpus package) or a JSONL file path, "
         "or a list of them: each sample's data source is then its row's 'source' field, else the file's name (stem); "
-        "evaluate and the nightly gate report acceptance per source",
+        "evaluate and the nightly gate report acceptance per source; or 'synthesize': the target writes its own "
+        "prompts (the synthesize settings, docs/synthesize.md)",
     )
     max_samples: int = Field(default=256, ge=1, description="Use at most this many conversations (in source order; "
                              "with a list, across every entry, read in the order listed)")
@@ -100,6 +102,9 @@ class DataConfig(BaseModel):
         if blank:
             which = f"entry {blank[0]} is empty" if isinstance(value, list) else "empty"
             raise ValueError(f"data.source={value!r}: {which}; expected a JSONL file path or {BUILTIN_CHATTERBOT!r}")
+        if SYNTHESIZE in entries and len(entries) > 1:
+            raise ValueError(f"data.source={value!r}: {SYNTHESIZE!r} cannot be listed with other entries; expected "
+                             f"data.source={SYNTHESIZE!r} alone, or a list of files")
         names: dict[str, str] = {}
         for entry in entries:
             name = source_name(entry)
@@ -173,6 +178,9 @@ def source_files(source: str | list[str]) -> list[Path]:
         if entry == BUILTIN_CHATTERBOT:
             files += sorted(chatterbot_dir().glob("*.yml"))
             continue
+        if entry == SYNTHESIZE:  # the train-eagle3 flow replaces it by the synthesize stage's file
+            raise DataError(f"data.source={SYNTHESIZE!r}: the prompts are written by the synthesize stage of an "
+                            "`eagle3 run`; here set data.source to a file of conversations")
         path = Path(entry)
         if not path.is_file():
             where = f"data.source={entry!r}" if isinstance(source, str) else f"data.source entry {entry!r} (of {source!r})"

@@ -30,10 +30,11 @@ from pydantic.fields import FieldInfo
 from eagle3 import draft_stages, stages
 from eagle3.artifacts import StageRecord
 from eagle3.config import PRESETS, PipelineConfig, merge_settings
+from eagle3.data.conversations import SYNTHESIZE, DataConfig
 from eagle3.ops.nightly import NightlyConfig
 
 # The stages in the order a run reaches them: the first one whose fingerprint moves is the one named.
-STAGE_ORDER = ("stage_target", "regenerate", "prepare_data", "extract", "vocab", "train", "export", "evaluate")
+STAGE_ORDER = ("stage_target", "synthesize", "regenerate", "prepare_data", "extract", "vocab", "train", "export", "evaluate")
 # Values to try where the type alone does not give a valid other value (a path must exist, a model must resolve).
 _KNOWN_ALTERNATIVES: dict[str, list[object]] = {"target.model": ["builtin:tiny", "builtin:smollm2"],
                                                 "train.rdzv_endpoint": ["node1.cluster:29400"],
@@ -69,14 +70,34 @@ def stage_fingerprints(config: PipelineConfig) -> dict[str, str]:
 
     aux = config.target.aux_layer_ids or [2, 4, 5]  # the tiny target's default ids: only their identity matters here
     target = record("stage_target", stages.fingerprint_target(config.target), aux_layer_ids=json.dumps(aux))
-    regen = record("regenerate", stages.fingerprint_regenerate(config.regenerate, config.data, target,
+    data = config.data
+    if data.source == SYNTHESIZE:  # regenerate reads the synthesized file: a stand-in named by synthesize's fingerprint
+        synthesized = record("synthesize", stages.fingerprint_synthesize(config.synthesize, config.regenerate, target))
+        data = _synthesized_stand_in(data, synthesized.fingerprint, config.synthesize.prompts)
+    regen = record("regenerate", stages.fingerprint_regenerate(config.regenerate, data, target,
                                                                 config.target.max_model_len))
-    prepared = record("prepare_data", stages.fingerprint_prepare(config.data, regen, target))
+    prepared = record("prepare_data", stages.fingerprint_prepare(data, regen, target))
     extract = stages.online_extract_config(config.train.data, config.extract)  # as the flow runs it
     extracted = record("extract", stages.fingerprint_extract(extract, config.target, prepared, target))
     vocab = record("vocab", draft_stages.fingerprint_vocab(config.vocab, prepared))
     fps.update(draft_stages.chain_fingerprints(config.train, config.eval, target, extracted, vocab))
     return fps
+
+
+_STAND_INS: list[Path] = []  # the folder of the synthesized stand-ins, made on first use
+
+
+def _synthesized_stand_in(data: DataConfig, fp: str, prompts: int) -> DataConfig:
+    """The data settings regenerate would get after a synthesize stage of fingerprint `fp`: a file whose content
+    moves with `fp`, as the synthesized prompts do."""
+    if not _STAND_INS:
+        _STAND_INS.append(Path(tempfile.mkdtemp(prefix="eagle3-settings-reference-")))
+    path = _STAND_INS[0] / fp / stages.SYNTHESIZED
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"id": "s000000", "messages": [{"role": "user", "content": fp},
+                                                                 {"role": "assistant", "content": "-"}]}) + "\n")
+    return stages.synthesized_data(data, StageRecord(stage="synthesize", uri=str(path.parent), fingerprint=fp), prompts)
 
 
 def _alternatives(default: object, annotation: object) -> list[object]:
@@ -124,19 +145,21 @@ def _baselines() -> list[dict]:
     """Runs to compare against: the tiny preset (with an absolute artifact_root, which extract.parts > 1 needs),
     the same with extract.too_long=truncate (which stores up to target.max_model_len), with what
     train.nnodes > 1 needs beside it (a rendezvous endpoint and a grad_accum that splits over the machines), and
-    train.data=hybrid with its extract.store_budget_gib."""
+    train.data=hybrid with its extract.store_budget_gib, and data.source=synthesize (the synthesize settings)."""
     tiny = merge_settings(PRESETS["tiny"], {"artifact_root": "/srv/eagle3-artifacts"})
     return [tiny, _with(tiny, "extract.too_long", "truncate"),
             merge_settings(tiny, {"train": {"rdzv_endpoint": "node0.cluster:29400", "grad_accum": 8}}),
-            merge_settings(tiny, {"train": {"data": "hybrid"}, "extract": {"store_budget_gib": 1.0}})]
+            merge_settings(tiny, {"train": {"data": "hybrid"}, "extract": {"store_budget_gib": 1.0}}),
+            _with(tiny, "data.source", SYNTHESIZE)]
 
 
-def first_rerun(path: str, info: FieldInfo, known: dict[str, list[object]]) -> str | None:
-    """The first stage (in STAGE_ORDER) whose fingerprint moves when `path` changes, or None for none.
-    `known`: values to try for the settings whose type alone gives no valid other value."""
+def first_rerun(path: str, info: FieldInfo, known: dict[str, list[object]]) -> tuple[str | None, str | None]:
+    """The first stage (in STAGE_ORDER) whose fingerprint moves when `path` changes (None for none): in the runs that
+    read their data, and in the run with data.source=synthesize (the second). `known`: values to try for the settings
+    whose type alone gives no valid other value."""
     if path in _FIXED:
-        return None
-    moved: set[str] = set()
+        return None, None
+    moved: dict[bool, set[str]] = {False: set(), True: set()}
     compared = False
     for base in _baselines():
         config = PipelineConfig.model_validate(base)
@@ -148,11 +171,12 @@ def first_rerun(path: str, info: FieldInfo, known: dict[str, list[object]]) -> s
             except (ValidationError, ValueError, OSError):
                 continue  # not a valid value here: try the next one
             compared = True
-            moved |= {stage for stage, fp in after.items() if before[stage] != fp}
+            moved[config.data.source == SYNTHESIZE] |= {stage for stage, fp in after.items() if before.get(stage) != fp}
     if not compared:
         raise ValueError(f"settings reference: no other valid value found for {path}; add one to _KNOWN_ALTERNATIVES "
                          "(or to _FIXED when it has only one)")
-    return next((stage for stage in STAGE_ORDER if stage in moved), None)
+    plain, synthesized = (next((stage for stage in STAGE_ORDER if stage in moved[s]), None) for s in (False, True))
+    return plain, synthesized
 
 
 def _type_name(annotation: object) -> str:
@@ -179,8 +203,12 @@ def _cell(text: str | None) -> str:
     return " ".join((text or "").split()).replace("|", "\\|")
 
 
-def _rerun_cell(stage: str | None) -> str:
-    return "nothing" if stage is None else f"`{stage}` on"
+def _rerun_cell(plain: str | None, synthesized: str | None) -> str:
+    """`plain` (see first_rerun), and where data.source=synthesize recomputes from an earlier stage, that too."""
+    cell = "nothing" if plain is None else f"`{plain}` on"
+    if synthesized is not None and plain is not None and STAGE_ORDER.index(synthesized) < STAGE_ORDER.index(plain):
+        cell += f" (`{synthesized}` on with data.source synthesize)"
+    return cell if plain is not None or synthesized is None else f"`{synthesized}` on"
 
 
 def _section_tables(model: type[BaseModel], known: dict[str, list[object]] | None,
@@ -193,7 +221,7 @@ def _section_tables(model: type[BaseModel], known: dict[str, list[object]] | Non
         section = path.split(".")[0] if "." in path else ""
         row = [f"`{path}`", _type_name(info.annotation), _default(info), _cell(info.description)]
         if with_reruns:
-            row.append(_rerun_cell(first_rerun(path, info, known)))
+            row.append(_rerun_cell(*first_rerun(path, info, known)))
         sections.setdefault(section, []).append("| " + " | ".join(row) + " |")
     head = "| setting | type | default | what it is |" + (" changing it recomputes |" if with_reruns else "")
     rule = "|---|---|---|---|" + ("---|" if with_reruns else "")

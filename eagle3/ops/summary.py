@@ -33,7 +33,8 @@ class RunSummary(BaseModel):
     data: dict = Field(
         default_factory=dict, description="What the data stages kept and dropped: train/heldout samples, source rows "
         "skipped as unusable (skipped_rows; each with its line and reason in bad_rows_report), conversations "
-        "regenerate skipped as too long, samples dropped or cut to data.max_tokens"
+        "regenerate skipped as too long, samples dropped or cut to data.max_tokens; with data.source synthesize the prompts "
+        "the target wrote (synthesized_prompts) and a few of them (prompt_sample)"
     )
     target_loads: list[dict] = Field(
         default_factory=list, description="How this run got its target (logs/target_loads.jsonl), one entry each time: "
@@ -55,6 +56,9 @@ class RunSummary(BaseModel):
             lines += [f"Exported draft: `{self.export_dir}`"]
         if self.data.get("skipped_rows"):
             lines += [f"Skipped {self.data['skipped_rows']} unusable source row(s): `{self.data.get('bad_rows_report')}`"]
+        if "synthesized_prompts" in self.data:
+            lines += [f"The target wrote {self.data['synthesized_prompts']} prompt(s), e.g. "
+                      + "; ".join(repr(p[:80]) for p in self.data.get("prompt_sample", [])[:3])]
         for number, report in enumerate(self.gpu_cleanup, start=1):
             lines += [f"gpu_cleanup {number}: {report.get('summary', '')}"]
         return "\n".join(lines)
@@ -68,11 +72,15 @@ def write_summary(path: Path, summary: RunSummary) -> None:
 PREPARE_STATS = ("train_samples", "heldout_samples", "dropped", "truncated", "skipped_rows", "bad_rows_report")
 
 
-def data_report(regenerated: StageRecord, prepared: StageRecord) -> dict:
-    """summary.json's `data`: the data stages' counts (regenerate's `skipped` as `too_long_for_regenerate`)."""
+def data_report(regenerated: StageRecord, prepared: StageRecord, synthesized: StageRecord | None = None) -> dict:
+    """summary.json's `data`: the data stages' counts (regenerate's `skipped` as `too_long_for_regenerate`); with
+    data.source synthesize, the prompts the target wrote (`synthesized_prompts`) and a few of them (`prompt_sample`)."""
     report = {k: prepared.stats[k] for k in PREPARE_STATS if k in prepared.stats}
     if "skipped" in regenerated.stats:
         report["too_long_for_regenerate"] = regenerated.stats["skipped"]
+    if synthesized is not None:
+        report["synthesized_prompts"] = synthesized.stats["prompts"]
+        report["prompt_sample"] = json.loads(str(synthesized.stats["sample"]))
     return report
 
 
