@@ -223,7 +223,7 @@ def synthesize(tokenizer, get_engine: Callable[[], object], config: SynthesizeCo
         asked = list(range(next_request, min(next_request + config.prompts - len(kept), budget)))
         for start in range(0, len(asked), REQUESTS_PER_CALL):
             chunk = asked[start:start + REQUESTS_PER_CALL]
-            engine = engine or get_engine()
+            engine = get_engine() if engine is None else engine
             systems = [j % len(config.system_prompts) if config.system_prompts else None for j in chunk]
             outputs = sample(engine, [list(turn.prefixes[s or 0]) for s in systems],
                              [request_seed(config.seed, j) for j in chunk], config, turn.stop_ids)
