@@ -11,7 +11,9 @@ opens with a system turn holding system_prompts[j % len] (round-robin), and its 
 that system turn, so the target's answer is written under it too.
 
 Each request j samples with its own seed (from synthesize.seed and j), so that identical prefixes
-give different prompts and a rerun asks the same requests the same way. A prompt is dropped when
+give different prompts and a rerun asks the same requests the same way. vLLM takes a seed per
+request: an engine in this process or a warm engine process (`generate_seeded`) takes a whole
+call's requests at once; an endpoint (one seed per call) takes each request in a call of its own. A prompt is dropped when
 it is empty, a duplicate of a kept one (the same normalised text: lower case, punctuation and
 runs of white space folded to one space) or a near-duplicate (word 3-gram Jaccard similarity with
 a kept one at or above synthesize.similarity). Dropped ones are asked for again, round after
@@ -40,6 +42,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -257,19 +260,39 @@ def _until_stop(ids: Sequence[int], stops: Sequence[int]) -> list[int]:
     return list(ids[:at])
 
 
+@runtime_checkable
+class SeededGenerator(Protocol):
+    """An engine elsewhere that samples each prompt with its own seed in one call (a warm engine process)."""
+
+    def generate_seeded(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: int,
+                        temperature: float, top_p: float, stop_ids: Sequence[int],
+                        on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
+        ...
+
+
 def sample(engine, prompts: Sequence[Sequence[int]], seeds: Sequence[int], config: SynthesizeConfig,  # noqa: ANN001
            stop_ids: Sequence[int]) -> list[list[int]]:
-    """The engine's continuation of each prompt, each request sampled with its own seed. An in-process vllm.LLM
-    takes them in one call (a SamplingParams each, stopping at the end of the user turn); a warm engine process or
-    an endpoint (a TokenGenerator: one seed per call) takes them one call each."""
+    """The engine's continuation of each prompt, each request sampled with its own seed, stopping at the end of the
+    user turn. An in-process vllm.LLM or a warm engine process takes them in one call; an endpoint (a TokenGenerator:
+    one seed per call) takes them one call each."""
+    sampling = {"max_new_tokens": config.max_prompt_tokens, "temperature": config.temperature, "top_p": config.top_p}
+    if isinstance(engine, SeededGenerator):
+        return engine.generate_seeded(prompts, seeds=seeds, stop_ids=stop_ids, **sampling)
     if isinstance(engine, TokenGenerator):
-        return [list(engine.generate_ids([p], max_new_tokens=config.max_prompt_tokens, temperature=config.temperature,
-                                         top_p=config.top_p, seed=s)[0]) for p, s in zip(prompts, seeds)]
+        return [list(engine.generate_ids([p], seed=s, **sampling)[0]) for p, s in zip(prompts, seeds)]
+    return sample_seeded(engine, prompts, seeds=seeds, stop_ids=stop_ids, **sampling)
+
+
+def sample_seeded(llm, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: int,  # noqa: ANN001
+                  temperature: float, top_p: float, stop_ids: Sequence[int],
+                  on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
+    """vllm.LLM generation from token-id prompts, one SamplingParams (own seed) per prompt, stopping at `stop_ids`;
+    the generated ids in prompt order (where the warm engine process runs a SeededGenerator's call, too)."""
     import vllm
 
-    params = [vllm.SamplingParams(max_tokens=config.max_prompt_tokens, temperature=config.temperature,
-                                  top_p=config.top_p, seed=s, stop_token_ids=list(stop_ids)) for s in seeds]
-    outputs = vllm_adapter._generate(engine, prompts, params)  # noqa: SLF001 - its abort-on-error keeps the engine usable
+    params = [vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s,
+                                  stop_token_ids=list(stop_ids)) for s in seeds]
+    outputs = vllm_adapter._generate(llm, prompts, params, on_finished)  # noqa: SLF001 - it aborts what is left on an error
     return [list(out.outputs[0].token_ids) for out in outputs]
 
 

@@ -118,6 +118,15 @@ class WarmEngine:
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
         return self._request(("generate", [list(p) for p in prompts], params), on_finished)
 
+    def generate_seeded(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: int,
+                        temperature: float, top_p: float, stop_ids: Sequence[int],
+                        on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
+        """generate_ids with a seed per prompt, stopping at `stop_ids` (eagle3.capture.synthesize: one prefix, many
+        prompts)."""
+        params = {"seeds": list(seeds), "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                  "stop_ids": list(stop_ids)}
+        return self._request(("generate_seeded", [list(p) for p in prompts], params), on_finished)
+
     def generate_with_images(self, prompts: Sequence[Sequence[int]], *, images: Sequence[Sequence[str]], max_new_tokens: int,
                              temperature: float, top_p: float, seed: int,
                              on_finished: Callable[[int], None] | None = None) -> list[list[int]]:

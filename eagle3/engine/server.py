@@ -17,6 +17,8 @@ while a request runs sends ("alive",) every HEARTBEAT_S and ("progress", n) as a
 
     ("hello", {"pid", "keep_warm_s"})                       -> this engine's record
     ("generate", prompts, {max_new_tokens, temperature, top_p, seed[, images]})  -> token ids per prompt
+    ("generate_seeded", prompts, {seeds, max_new_tokens, temperature, top_p, stop_ids})
+                                                           -> token ids per prompt, each sampled with its own seed
     ("capture", prompts, layer_ids, hidden_size, path)     -> lengths; the states [sum T, n, H]
                                                                float32 are written into `path`
                                                                (a file in /dev/shm the client maps)
@@ -218,7 +220,7 @@ class EngineServer:
             return read_info(self.home)
         if kind == "sleep":
             return self._sleep(int(args[0]))
-        if self.sleeping and kind in ("generate", "capture", "capture_images"):
+        if self.sleeping and kind in ("generate", "generate_seeded", "capture", "capture_images"):
             self.llm.wake_up()  # weights back from host RAM: seconds, not a load
             self.sleeping = False
             write_info(self.home, (read_info(self.home) or self.record) | {"sleeping": False})
@@ -226,6 +228,12 @@ class EngineServer:
             self._close_source()  # no capture hooks on a generation
             prompts, params = args
             return vllm_adapter.generate(self.llm, prompts, on_finished=lambda n: client.send(("progress", n)), **params)
+        if kind == "generate_seeded":  # eagle3.capture.synthesize: many prompts from one prefix
+            from eagle3.capture.synthesize import sample_seeded
+
+            self._close_source()
+            prompts, params = args
+            return sample_seeded(self.llm, prompts, on_finished=lambda n: client.send(("progress", n)), **params)
         if kind == "capture":
             return self._capture(*args)
         if kind == "capture_images":
@@ -237,8 +245,8 @@ class EngineServer:
         if kind == "release":
             self.stopping = self.stopping or bool(args[0])
             return None
-        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, capture, capture_images, expand_images, "
-                         "sleep or release")
+        raise ValueError(f"unknown engine request {kind!r}; expected hello, generate, generate_seeded, capture, "
+                         "capture_images, expand_images, sleep or release")
 
     def _sleep(self, level: int) -> None:
         """vLLM sleep mode (GPU only; the engine was loaded with enable_sleep_mode): level 1 moves the weights to

@@ -185,6 +185,28 @@ def test_a_run_killed_between_engine_calls_asks_only_for_the_missing_prompts_on_
     assert read_complete(folder) == record
 
 
+@pytest.mark.vllm
+def test_a_warm_engine_process_takes_a_rounds_prompts_in_one_call_each_with_its_own_seed(staged, tmp_path, monkeypatch):
+    from eagle3.engine.client import WarmEngine
+
+    target_config, target, _, _ = staged
+    warm = target_config.model_copy(update={"keep_warm_s": 30.0})  # the GPU default: the target in an engine process
+    asked: list[tuple[str, int]] = []
+    seeded, per_seed = WarmEngine.generate_seeded, WarmEngine.generate_ids
+    monkeypatch.setattr(WarmEngine, "generate_seeded", lambda self, p, **kw: asked.append(("seeded", len(p)))
+                        or seeded(self, p, **kw))
+    monkeypatch.setattr(WarmEngine, "generate_ids", lambda self, p, **kw: asked.append(("one seed", len(p)))
+                        or per_seed(self, p, **kw))
+    loads = tmp_path / "loads.jsonl"
+    try:
+        record = _synthesize((warm, target, tmp_path / "artifacts", loads), SynthesizeConfig(prompts=4, max_prompt_tokens=12))
+    finally:
+        engine_pool.release_all(keep_warm=False)  # the engine this test started stops
+    assert record.stats["prompts"] == 4
+    assert asked[0] == ("seeded", 4) and all(kind == "seeded" for kind, _ in asked)  # the round's 4 prompts at once
+    assert [json.loads(line).get("warm") for line in loads.read_text().splitlines()][:1] == [True]
+
+
 def test_zero_prompts_is_one_error_naming_the_setting_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"synthesize.prompts: Input should be greater than or equal to 1 \(got 0\)"):
         build_config("tiny", None, ["data.source=synthesize", "synthesize.prompts=0"])
