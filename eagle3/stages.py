@@ -248,11 +248,22 @@ def synthesized_data(config: DataConfig, synthesized: StageRecord, prompts: int)
     return config.model_copy(update={"source": str(synthesized.path / SYNTHESIZED), "max_samples": prompts})
 
 
+def _keyed_source(config: DataConfig) -> dict:
+    """The data settings as fingerprints hash them: a synthesized file (synthesized_data) is named by its synthesize
+    fingerprint, not by its path, which holds this run's folder where the artifact root is a URL (its local mirror);
+    every other source as it is."""
+    settings = config.model_dump(mode="json")
+    path = Path(config.source) if isinstance(config.source, str) else None
+    if path is not None and path.name == SYNTHESIZED and path.parent.parent.name == "synthesize":
+        settings["source"] = f"synthesize:{path.parent.name}"
+    return settings
+
+
 # -- regenerate --------------------------------------------------------------------------
 def fingerprint_regenerate(config: RegenerateConfig, data_config: DataConfig, target: StageRecord, max_model_len: int) -> str:
     source = hash_files(conversations.source_files(data_config.source))
-    settings = {"regenerate": config.model_dump(mode="json", exclude=RUNTIME_REGENERATE_SETTINGS), "source": data_config.source,
-                "max_samples": data_config.max_samples}
+    settings = {"regenerate": config.model_dump(mode="json", exclude=RUNTIME_REGENERATE_SETTINGS),
+                "source": _keyed_source(data_config)["source"], "max_samples": data_config.max_samples}
     if conversations.names_sources(data_config.source):
         settings["sources"] = SOURCES_VERSION
     if conversations.has_parts(data_config.source):  # content parts checked (DataError) before any load
@@ -302,7 +313,7 @@ def run_regenerate(config: RegenerateConfig, data_config: DataConfig, target_con
 
 # -- prepare_data ------------------------------------------------------------------------
 def fingerprint_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecord) -> str:
-    return stage_fingerprint("prepare_data", config, regenerated.fingerprint, target.fingerprint)
+    return stage_fingerprint("prepare_data", _keyed_source(config), regenerated.fingerprint, target.fingerprint)
 
 
 def run_prepare(config: DataConfig, regenerated: StageRecord, target: StageRecord, trust_remote_code: bool, root: Path, fp: str) -> StageRecord:
