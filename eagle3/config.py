@@ -179,7 +179,7 @@ def _placement(config: PipelineConfig) -> dict[str, object]:
         else int(train.num_processes)
     return {"target_devices": config.target.devices, "train_devices": train.devices,
             "engine_gpus": config.target.tensor_parallel_size * config.target.data_parallel_size,
-            "train_processes": processes, "online": train.data != "store"}
+            "train_processes": processes, "online": train.data != "store", "engine_cpus": config.online.engine_cpus}
 
 
 def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:

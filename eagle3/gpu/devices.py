@@ -76,8 +76,9 @@ def trainer_on_gpu(devices: Devices) -> Iterator[None]:
 
 
 def placement_problems(*, target_devices: Devices, train_devices: Devices, engine_gpus: int, train_processes: int,
-                       online: bool, visible: Sequence[str] | None) -> list[str]:
-    """Why `target.devices` / `train.devices` cannot be honoured (an empty list: they can).
+                       online: bool, visible: Sequence[str] | None, engine_cpus: int | str = "auto") -> list[str]:
+    """Why `target.devices` / `train.devices` cannot be honoured (an empty list: they can); and `online.engine_cpus`
+    (`engine_cpus`), the CPU build's placement, set on a machine with CUDA, where nothing would read it.
 
     `engine_gpus`: target.tensor_parallel_size x target.data_parallel_size; `train_processes`: the training
     processes on this machine (train.num_processes resolved); `visible`: visible_gpus(), or None when the hardware
@@ -104,6 +105,10 @@ def placement_problems(*, target_devices: Devices, train_devices: Devices, engin
                             "disjoint GPUs")
     if visible is None:
         return problems
+    if visible and engine_cpus != "auto":
+        problems.append(f"online.engine_cpus={engine_cpus} places the engine on CPU cores, which only the CPU build does; "
+                        f"this machine has CUDA (GPUs {', '.join(visible)}), where the engine and the trainer take GPUs "
+                        "(target.devices, train.devices); leave online.engine_cpus at 'auto'")
     if not visible and given:
         problems += [f"{name}={d} names GPUs, but this machine has no CUDA (the CPU build); on the CPU build the engine "
                      f"and the trainer get cores of their own (online.engine_cpus); set {name}='auto'" for name, d in given]

@@ -370,8 +370,9 @@ class OnlineConfig(BaseModel):
     engine_cpus: int | Literal["auto"] = Field(
         default="auto", description="CPU build: cores of their own for the target engine process (the first N this "
         "process may use; every engine thread is pinned there), the trainer gets the rest and as many torch threads. "
-        "'auto': half of them (at least 1) when there are at least 2; 0: no pinning, both share every core. Ignored "
-        "with CUDA (there: target.devices and train.devices). Not part of any fingerprint."
+        "'auto': half of them (at least 1) when there are at least 2; 0: no pinning, both share every core. "
+        "Refused with CUDA, where the engine and the trainer take GPUs (target.devices, train.devices). Not part of "
+        "any fingerprint."
     )
     producer: Literal["local", "remote"] = Field(
         default="local", description="Who captures: 'local', a thread of the trainer's process through the run's warm "

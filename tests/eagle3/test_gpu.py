@@ -522,3 +522,19 @@ def test_doctor_names_the_gpus_torch_sees():
     names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
     if "CUDA_VISIBLE_DEVICES" not in os.environ and len(names) == 1:  # NVML counts every GPU, torch the visible ones
         assert line[3:].split()[1] == str(torch.cuda.device_count()), line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _driver_present(), reason="needs an NVIDIA driver and a GPU")
+def test_the_cpu_builds_placement_is_refused_on_a_gpu_machine_naming_the_setting(builtin_cache, tmp_path):
+    """online.engine_cpus (cores for the engine, CPU build only) set where torch sees GPUs: refused right after
+    stage_target, before any engine loads (test_placement checks the same rule with a fake list of GPUs)."""
+    from eagle3 import stages
+    from eagle3.config import ConfigError, build_config, check_against_target
+    from eagle3.data.target import TargetInfo
+
+    config = build_config("tiny", overrides=["train.data=online", "online.engine_cpus=1"])
+    target = stages.run_stage_target(config.target, builtin_cache, tmp_path, stages.fingerprint_target(config.target))
+    with pytest.raises(ConfigError, match=r"online.engine_cpus=1 places the engine on CPU cores.*leave "
+                                          r"online.engine_cpus at 'auto'"):
+        check_against_target(config, TargetInfo.read(target.path))

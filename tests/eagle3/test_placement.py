@@ -96,3 +96,14 @@ def test_the_engine_process_is_started_with_cuda_visible_devices_set_to_target_d
     finally:
         pool.release_all(keep_warm=False)
     assert live_engines(tmp_path) == []
+
+
+def test_cpu_placement_on_a_machine_with_cuda_is_refused_naming_the_setting():  # FAKE visible GPUs: no driver here
+    """online.engine_cpus pins the engine to cores on the CPU build; with GPUs nothing reads it, so setting it is a
+    mistake the user hears about (the CPU build's own check, engine_cpus with no CUDA, runs for real in test_online)."""
+    base = {"target_devices": "auto", "train_devices": "auto", "engine_gpus": 1, "train_processes": 1, "online": True}
+    (problem,) = placement_problems(**base, visible=FAKE_VISIBLE_GPUS, engine_cpus=1)
+    assert problem.startswith("online.engine_cpus=1 places the engine on CPU cores, which only the CPU build does")
+    assert "GPUs 4, 5, 6, 7" in problem and "leave online.engine_cpus at 'auto'" in problem
+    assert placement_problems(**base, visible=FAKE_VISIBLE_GPUS, engine_cpus="auto") == []
+    assert placement_problems(**base, visible=[], engine_cpus=1) == []  # the CPU build: that is what it is for
