@@ -286,14 +286,10 @@ def sample(engine, prompts: Sequence[Sequence[int]], seeds: Sequence[int], confi
 def sample_seeded(llm, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: int,  # noqa: ANN001
                   temperature: float, top_p: float, stop_ids: Sequence[int],
                   on_finished: Callable[[int], None] | None = None) -> list[list[int]]:
-    """vllm.LLM generation from token-id prompts, one SamplingParams (own seed) per prompt, stopping at `stop_ids`;
-    the generated ids in prompt order (where the warm engine process runs a SeededGenerator's call, too)."""
-    import vllm
-
-    params = [vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s,
-                                  stop_token_ids=list(stop_ids)) for s in seeds]
-    outputs = vllm_adapter._generate(llm, prompts, params, on_finished)  # noqa: SLF001 - it aborts what is left on an error
-    return [list(out.outputs[0].token_ids) for out in outputs]
+    """vllm.LLM generation from token-id prompts, each sampled with its own seed, stopping at `stop_ids`; the
+    generated ids in prompt order (where the warm engine process runs a SeededGenerator's call, too)."""
+    return vllm_adapter.generate_seeded(llm, prompts, seeds=seeds, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p, stop_ids=stop_ids, on_finished=on_finished)
 
 
 # -- journal and output ---------------------------------------------------------------------

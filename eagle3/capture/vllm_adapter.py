@@ -354,6 +354,26 @@ def generate(
     return [list(out.outputs[0].token_ids) for out in outputs]
 
 
+def generate_seeded(
+    llm,  # noqa: ANN001 - vllm.LLM
+    prompts: Sequence[Sequence[int]],
+    *,
+    seeds: Sequence[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: Sequence[int] = (),
+    on_finished: Callable[[int], None] | None = None,
+) -> list[list[int]]:
+    """As `generate`, but each prompt sampled with its own seed (vLLM gives equal prompts with one seed equal
+    outputs: eagle3.capture.synthesize sends one prefix many times) and stopping at any of `stop_ids`."""
+    vllm = _import_vllm()
+    params = [vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                  stop_token_ids=list(stop_ids)) for seed in seeds]
+    outputs = _generate(llm, prompts, params, on_finished)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
 # -- speculative decoding (served evaluation)
 @dataclass(frozen=True)
 class SpecDecodeCounters:
