@@ -13,6 +13,7 @@ dict are torch's, so checkpoints written with torch.optim.Muon load and resume.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -63,15 +64,30 @@ def _momentum_update(state: dict, grad: torch.Tensor, momentum: float, nesterov:
     return grad.lerp(buf, momentum) if nesterov else buf
 
 
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    from eagle3.capture.cpu_kernels import native_bf16, read_cpu_flags
+
+    return native_bf16(read_cpu_flags())
+
+
+def ns_dtype(device: torch.device) -> torch.dtype:
+    """bf16, as torch.optim.Muon, on a GPU or a CPU with bf16 hardware; float32 on other CPUs, where torch's bf16
+    matmuls are emulated: one [576, 1536] orthogonalization took 5.2 s in bf16 against 0.084 s in float32 on a 2-core
+    AVX2 EPYC, which made the demo's Muon steps 25 s each (benchmarks/results/cpu-dtype-2026-12-05.txt)."""
+    return torch.bfloat16 if device.type != "cpu" or _cpu_has_bf16() else torch.float32
+
+
 def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float] = _NS, steps: int = _NS_STEPS,
                   eps: float = 1e-7) -> torch.Tensor:
-    """Batched quintic Newton-Schulz orthogonalization in bf16, as torch.optim.Muon does per matrix.
+    """Batched quintic Newton-Schulz orthogonalization in bf16 (float32 on CPUs without bf16 hardware: ns_dtype),
+    as torch.optim.Muon does per matrix.
 
-    updates: [n, rows, cols] with rows <= cols -> [n, rows, cols] bf16, each matrix scaled to Frobenius norm <= 1
-    first (so its spectral norm is too), then `steps` iterations X <- aX + (bXX^T + c(XX^T)^2)X.
+    updates: [n, rows, cols] with rows <= cols -> [n, rows, cols] in that dtype, each matrix scaled to Frobenius norm
+    <= 1 first (so its spectral norm is too), then `steps` iterations X <- aX + (bXX^T + c(XX^T)^2)X.
     """
     a, b, c = coefficients
-    x = updates.bfloat16()
+    x = updates.to(ns_dtype(updates.device))
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)  # [n, 1, 1] norms
     for _ in range(steps):
         gram = x @ x.mT  # [n, rows, rows]
