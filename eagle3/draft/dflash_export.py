@@ -13,8 +13,6 @@ drafts over the target's whole vocabulary. Written to a temporary folder and swa
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.artifacts import fsync_path
 from eagle3.draft.dflash import ARCHITECTURE, DFlashConfig, DFlashDraft
-from eagle3.draft.export import WEIGHTS, ExportError, _swap_in
+from eagle3.draft.export import WEIGHTS, ExportError, _swap_in, fresh_tmp
 
 
 def vllm_config(config: DFlashConfig) -> dict:
@@ -55,11 +53,7 @@ def vllm_config(config: DFlashConfig) -> dict:
 def export_dflash(model: DFlashDraft, out_dir: Path) -> Path:
     """Write the vLLM folder for `model` to `out_dir` (atomically); returns out_dir."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # this one's and a killed export's leftovers
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
+    tmp = fresh_tmp(out_dir)
     (tmp / "config.json").write_text(json.dumps(vllm_config(model.config), indent=1))
     tensors = {name: t.detach().float().contiguous().cpu() for name, t in model.state_dict().items()}
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})

@@ -100,11 +100,7 @@ def export_draft(
         raise ExportError(f"checkpoint {checkpoint_dir} weights {sorted(checkpoint.weights)} != {sorted(expected)}")
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # this one's and a killed export's leftovers
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
+    tmp = fresh_tmp(out_dir)
     if isinstance(draft, MLADraftConfig):  # vLLM's native layout (eagle3.draft.mla_export)
         native = mla_export.vllm_config(draft, aux_layer_ids=list(aux_layer_ids),
                                         num_speculative_tokens=num_speculative_tokens)
@@ -124,6 +120,17 @@ def export_draft(
         fsync_path(path)
     _swap_in(tmp, out_dir)
     return out_dir
+
+
+def fresh_tmp(out_dir: Path) -> Path:
+    """An empty folder beside `out_dir` to build an export in, after removing what earlier or killed exports to
+    `out_dir` left there; `_swap_in` then puts it in place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # this one's and a killed export's leftovers
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp.mkdir()
+    return tmp
 
 
 def _swap_in(tmp: Path, out_dir: Path) -> None:
