@@ -73,6 +73,8 @@ class EngineSpec:
     enable_sleep_mode: bool = False
     # target.devices: CUDA_VISIBLE_DEVICES of the engine process ("4,5"); None: this process's GPUs
     devices: str | None = None
+    # vLLM load_format: "auto" (the target's weights); "dummy": random weights, only config.json read (benchmarks)
+    load_format: str = "auto"
 
 
 def _import_vllm():  # noqa: ANN202 - the module object
@@ -141,6 +143,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
         distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",
         trust_remote_code=spec.trust_remote_code,
         seed=spec.seed,
+        load_format=spec.load_format,
         **vllm_versions.engine_options(vllm_versions.features(vllm.__version__), language_model_only=spec.language_model_only,
                                        attention_backend=attention_backend),
         enable_sleep_mode=spec.enable_sleep_mode,
