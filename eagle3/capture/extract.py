@@ -158,7 +158,9 @@ def extract_store(
     if not pending:
         writer.finish()
         return stats
-    source = open_source(config.backend, get_engine(), hidden_size=hidden_size, batch_tokens=config.batch_tokens)
+    # on_device: a vLLM engine's states stay on its GPU until the stager copies them off on a side stream
+    source = open_source(config.backend, get_engine(), hidden_size=hidden_size, batch_tokens=config.batch_tokens,
+                         on_device=True)
     stager = HostStager()
     done = reused
     try:

@@ -18,7 +18,8 @@ How it works (vLLM backend):
   k-1: a layer returning (hidden_states, residual) gives their SUM (both [T, H]), a tensor itself;
   `from_vllm_aux=False` forces that rule (the tests compare the two). Hooks are installed either
   way: they guard the patch (below);
-- rows are copied into per-request buffers [T_req, n_ids, H] at their positions.
+- rows are copied into per-request buffers [T_req, n_ids, H] at their positions, in the capture's dtype on the
+  buffers' device (the CPU by default; a buffer on the GPU keeps the copies on the GPU, where they wait for nothing).
 
 Rows are mapped to requests explicitly, never by batch order, in one of two ways:
 - with a `row_source` (the engine's own description of the batch in flight: for each engine
@@ -325,7 +326,7 @@ class HiddenStateCapture:
         for seg in self._segments:
             req = self._requests[seg.request]
             rows = state[seg.row : seg.row + seg.length]
-            req.states[seg.pos : seg.pos + seg.length, slot] = rows.to("cpu", self.dtype)
+            req.states[seg.pos : seg.pos + seg.length, slot].copy_(rows)  # on the buffer's device: no host wait
             req.coverage[seg.pos : seg.pos + seg.length, slot] += 1
 
     def _map_rows(self, input_ids: torch.Tensor | None, positions: torch.Tensor) -> list[_Segment]:

@@ -5,6 +5,11 @@ prompt, the states at the requested layer ids (vLLM's convention, eagle3.capture
 [T, len(layer_ids), H], rows in token order, on whatever device the backend keeps them.
 
 - `VllmSource`: in-process vLLM with a patched inner forward (eagle3.capture.hooks); the production path.
+  By default its states come back on the CPU in float32 (what the warm engine and the online feed hand on);
+  `on_device=True` (extract_store) keeps them where the engine computed them, in its own dtype, all prompts of a
+  call in one buffer: the forward then copies nothing to the host and waits for nothing, and the extract's host
+  stager moves them off the GPU on a side stream while the next batch runs (as HFSource's). The stored bytes are
+  the same either way (the states are computed in the engine's dtype; float32 holds them exactly).
   It takes images (an `ImageSource`, `capture_images`): the engine gets each prompt as
   prepared (one placeholder per image) with its images, and expands the placeholders itself; the capture
   waits for the expanded ids (vLLM's own multimodal processor, asked first) and returns them with the states.
@@ -40,9 +45,10 @@ class HiddenStateSource(Protocol):
 
 
 class VllmSource:
-    """vLLM in-process engine + patched-forward capture. States come back on the CPU, float32."""
+    """vLLM in-process engine + patched-forward capture. States come back on the CPU in float32, or with
+    `on_device` on the engine's device in its dtype (module docstring)."""
 
-    def __init__(self, llm: object, hidden_size: int) -> None:
+    def __init__(self, llm: object, hidden_size: int, on_device: bool = False) -> None:
         from eagle3.capture import vllm_adapter
         from eagle3.capture.layers import resolve_decoder_stack
 
@@ -52,6 +58,11 @@ class VllmSource:
         self._hidden_size = hidden_size
         self._stack = resolve_decoder_stack(vllm_adapter.torch_module(llm))
         self._capture = None  # HiddenStateCapture, installed for the layer ids last asked for
+        if on_device:  # the states' own dtype (the engine's activations) on the device holding the decoder layers
+            self._dtype = vllm_adapter.activation_dtype(llm)
+            self._device = next(self._stack.inner.parameters()).device
+        else:
+            self._dtype, self._device = torch.float32, torch.device("cpu")
 
     def capture_images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[str]],
                        layer_ids: Sequence[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -76,9 +87,13 @@ class VllmSource:
                 rows = vllm_adapter.row_source(self._llm)
             except vllm_adapter.VllmUnsupported:
                 rows = None
-            self._capture = HiddenStateCapture(self._stack, layer_ids, row_source=rows)
+            self._capture = HiddenStateCapture(self._stack, layer_ids, dtype=self._dtype, row_source=rows)
             self._capture.install()
-        with self._capture.collecting(prompts, self._hidden_size) as states:
+        # one buffer for the call, prompts back to back: the stager copies it to the host as it is (no torch.cat);
+        # empty, not zeros: the capture's coverage check fails the call unless every row was written once
+        buffer = torch.empty(sum(len(p) for p in prompts) * len(layer_ids) * self._hidden_size, dtype=self._dtype,
+                             device=self._device)
+        with self._capture.collecting(prompts, self._hidden_size, buffer=buffer) as states:
             if engine_prompts is None:
                 vllm_adapter.prefill(self._llm, prompts)
             else:
@@ -108,8 +123,13 @@ class SourceProvider(Protocol):
         ...
 
 
-def open_source(backend: Backend, engine: object, *, hidden_size: int, batch_tokens: int) -> HiddenStateSource:
-    """The source for `backend` over `engine` (a vllm.LLM or a SourceProvider for "vllm", a transformers model for "hf")."""
+def open_source(backend: Backend, engine: object, *, hidden_size: int, batch_tokens: int,
+                on_device: bool = False) -> HiddenStateSource:
+    """The source for `backend` over `engine` (a vllm.LLM or a SourceProvider for "vllm", a transformers model for "hf").
+
+    `on_device`: an in-process vLLM engine (TP 1) keeps the states on its device in its dtype (VllmSource); the
+    others return what they always do (HFSource: the model's device and dtype; the warm engine and TP > 1: the CPU
+    in float32, through shared memory)."""
     if backend == "vllm":
         from eagle3.capture import vllm_adapter
 
@@ -120,7 +140,7 @@ def open_source(backend: Backend, engine: object, *, hidden_size: int, batch_tok
             from eagle3.capture.tp_capture import TensorParallelVllmSource
 
             return TensorParallelVllmSource(engine, hidden_size)
-        return VllmSource(engine, hidden_size)
+        return VllmSource(engine, hidden_size, on_device=on_device)
     if backend == "hf":
         if not isinstance(engine, nn.Module):
             raise TypeError(

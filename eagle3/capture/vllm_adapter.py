@@ -49,6 +49,7 @@ from eagle3.capture.vllm_versions import SUPPORTED_TEXT, SUPPORTED_VLLM, VllmUns
 from eagle3.gpu.preflight import target_preflight
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from eagle3.capture.hooks import RowSource
@@ -222,6 +223,11 @@ def torch_module(llm) -> nn.Module:  # noqa: ANN001 - vllm.LLM
     """The target's torch module (in-process engines only)."""
     modules = llm.apply_model(lambda model: model)
     return modules[0]
+
+
+def activation_dtype(llm) -> torch.dtype:  # noqa: ANN001 - vllm.LLM
+    """The dtype the engine computes its activations in (its model config's `dtype`): its hidden states'."""
+    return llm.llm_engine.vllm_config.model_config.dtype
 
 
 def row_source(llm) -> RowSource:  # noqa: ANN001 - vllm.LLM

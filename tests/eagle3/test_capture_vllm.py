@@ -86,6 +86,31 @@ def test_shared_prefixes_and_duplicates_map_to_the_right_rows(engine, hf_referen
         assert_close(got, hf_reference(p, [3, 8]))
 
 
+def test_the_extract_capture_stays_on_the_engine_device_in_its_dtype_and_holds_the_same_states(engine):
+    """extract_store's capture (on_device) leaves the states where the engine computed them, in its dtype, all
+    prompts of a call in one buffer, so the forward copies nothing to the host and the stager copies the batch off
+    the GPU as it is (no torch.cat): the states equal, bit for bit, what the default capture hands the warm engine
+    and the online feed (the CPU, float32)."""
+    from eagle3.capture.extract import pack_states
+    from eagle3.capture.source import VllmSource
+
+    ids = [2, 4, 5, 8]
+    prompts = _prompts(6, seed=4)
+    captured = []
+    for source in (VllmSource(engine, 64, on_device=True), VllmSource(engine, 64)):  # one patch at a time
+        try:
+            captured.append(source.capture(prompts, ids))
+        finally:
+            source.close()
+    kept, host = captured
+    assert {(s.dtype, s.device.type) for s in kept} == {(TORCH_DTYPE, DEVICE)}
+    assert {(s.dtype, s.device.type) for s in host} == {(torch.float32, "cpu")}
+    assert pack_states(kept).data_ptr() == kept[0].data_ptr()  # one buffer: packing copies nothing
+    for i, (a, b) in enumerate(zip(kept, host, strict=True)):
+        assert a.shape == b.shape == (len(prompts[i]), len(ids), 64)
+        assert torch.equal(a.float().cpu(), b), f"prompt {i}: the two captures differ"
+
+
 def test_a_layer_running_outside_the_patched_forward_is_an_error(engine):
     stack = resolve_decoder_stack(vllm_adapter.torch_module(engine))
     cap = HiddenStateCapture(stack, [2])
