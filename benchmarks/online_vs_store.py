@@ -75,7 +75,9 @@ class World:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.args, self.device, self.root = args, device, Path(args.root)
         started = time.perf_counter()
-        self.model = build_model(args.tiny, device)  # the inner model (decoder stack + final norm), random weights
+        shape = dict(SHAPE_TINY if args.tiny else SHAPE_8B, max_position_embeddings=8192)
+        dtype = torch.float32 if args.tiny else torch.bfloat16
+        self.model = build_model(shape, dtype, device)  # the inner model (decoder stack + final norm), random weights
         _sync(device)
         config = self.model.config
         self.n, self.hidden = config.num_hidden_layers, config.hidden_size

@@ -50,6 +50,8 @@ def engine_fingerprint(spec: EngineSpec, target_fp: str) -> str:
     settings = {k: v for k, v in dataclasses.asdict(spec).items() if k != "load_log"}
     if settings["devices"] is None:  # target.devices 'auto': the fingerprint engines had before the setting
         del settings["devices"]
+    if settings["load_format"] == "auto":  # the weights on disk: the fingerprint engines had before the field
+        del settings["load_format"]
     return fingerprint("engine", ENGINE_VERSION, settings, target_fp)
 
 
