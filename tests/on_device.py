@@ -32,6 +32,16 @@ def eager_serving():  # noqa: ANN201 - eagle3.capture.vllm_adapter.ServingSetup
     return ServingSetup(eager=True)
 
 
+def v1_model_runner():  # noqa: ANN201 - a context manager
+    """Engines loaded inside run vLLM's V1 model runner, whose draft module is `model_runner.drafter.model` and is
+    called with input_ids, positions and hidden_states: the tests that hook vLLM's draft module read it there. From
+    0.25 on a CUDA build picks the V2 runner by default (its drafts live in `model_runner.speculator`, called
+    otherwise); the CPU build always runs V1."""
+    from eagle3.capture.vllm_adapter import engine_environment
+
+    return engine_environment(VLLM_USE_V2_MODEL_RUNNER="0")
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """How far apart two implementations of one computation may be in a dtype.

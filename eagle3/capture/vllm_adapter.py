@@ -34,6 +34,7 @@ Workarounds for vLLM bugs, each applied only where the bug exists:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -126,32 +127,32 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     # In-process engine: the patched forward and the capture buffers live in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(spec.kv_cache_gib))))
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads the V1 runner's row map
     _tensor_parallel_env(spec)
     vllm = _import_vllm()
     attention_backend = mla_attention_backend(spec.model_dir, spec.dtype, spec.attention_backend)
     process_threads.remember()  # vLLM changes this process's threading; release_all puts it back
     checked = target_preflight(Path(spec.model_dir), spec.tensor_parallel_size, spec.kv_cache_gib)
     started = time.time()
-    llm = _new_llm(
-        vllm,
-        model=spec.model_dir,
-        dtype=spec.dtype,
-        max_model_len=spec.max_model_len,
-        enforce_eager=True,  # CUDA graphs and torch.compile can bypass a patched forward
-        enable_prefix_caching=False,  # cached prefixes are not recomputed: their states would be missing
-        tensor_parallel_size=spec.tensor_parallel_size,
-        distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",
-        trust_remote_code=spec.trust_remote_code,
-        seed=spec.seed,
-        load_format=spec.load_format,
-        **vllm_versions.engine_options(vllm_versions.features(vllm.__version__), language_model_only=spec.language_model_only,
-                                       attention_backend=attention_backend),
-        enable_sleep_mode=spec.enable_sleep_mode,
-        # images: expand_prompts runs the processor before generate does; with its cache on, generate would send
-        # the items' hashes only, which the engine core never received (MultiModalCacheMissError)
-        **({} if spec.language_model_only else {"mm_processor_cache_gb": 0}),
-    )
+    with engine_environment(VLLM_USE_V2_MODEL_RUNNER="0"):  # the capture reads the V1 runner's row map; this engine only
+        llm = _new_llm(
+            vllm,
+            model=spec.model_dir,
+            dtype=spec.dtype,
+            max_model_len=spec.max_model_len,
+            enforce_eager=True,  # CUDA graphs and torch.compile can bypass a patched forward
+            enable_prefix_caching=False,  # cached prefixes are not recomputed: their states would be missing
+            tensor_parallel_size=spec.tensor_parallel_size,
+            distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",
+            trust_remote_code=spec.trust_remote_code,
+            seed=spec.seed,
+            load_format=spec.load_format,
+            **vllm_versions.engine_options(vllm_versions.features(vllm.__version__), language_model_only=spec.language_model_only,
+                                           attention_backend=attention_backend),
+            enable_sleep_mode=spec.enable_sleep_mode,
+            # images: expand_prompts runs the processor before generate does; with its cache on, generate would send
+            # the items' hashes only, which the engine core never received (MultiModalCacheMissError)
+            **({} if spec.language_model_only else {"mm_processor_cache_gb": 0}),
+        )
     check_capture_safe(llm)
     if spec.load_log:
         Path(spec.load_log).parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +160,23 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
             handle.write(json.dumps({"model": spec.model_dir, "pid": os.getpid(), "seconds": round(time.time() - started, 2),
                                      "time": time.time(), "preflight": checked}) + "\n")
     return llm
+
+
+@contextlib.contextmanager
+def engine_environment(**values: str):  # noqa: ANN202
+    """Set environment variables for one engine's start-up and put them back after: vLLM reads its settings when an
+    engine starts (and caches them until that engine shuts down), so a value meant for the capture engine no longer
+    leaks into the serving engines loaded later in the same process."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _new_llm(vllm, **engine_args):  # noqa: ANN001, ANN003, ANN202 - the vllm module, vllm.LLM's own arguments
@@ -510,6 +528,7 @@ def load_serving_engine(
     per_request = vllm_versions.serving_options(vllm_versions.features(vllm.__version__), speculative=speculative is not None)
     return _new_llm(
         vllm,
+        **_gpu_share_free_now(setup.tensor_parallel_size),
         model=str(model_dir),
         dtype=dtype,
         max_model_len=max_model_len,
@@ -524,6 +543,30 @@ def load_serving_engine(
         attention_backend=attention_backend,
         **per_request,
     )
+
+
+VLLM_GPU_SHARE = 0.92  # vLLM's default gpu_memory_utilization
+
+
+def _gpu_share_free_now(tensor_parallel_size: int) -> dict:
+    """gpu_memory_utilization for a serving engine: vLLM's default (nothing passed) where that much of each GPU is
+    free, else the share that is free less 1 GiB. vLLM refuses to start when less than its share is free, and after
+    a compiled engine with CUDA graphs is shut down in this process, vLLM 0.25 keeps 9.2 of 79 GiB of an H100 (the
+    served evaluation loads the target twice, the sweep more often). Nothing on the CPU build."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    shares = []
+    for device in range(min(tensor_parallel_size, torch.cuda.device_count())):
+        free, total = torch.cuda.mem_get_info(device)
+        shares.append((free - 2**30) / total)
+    share = min(shares)
+    if share >= VLLM_GPU_SHARE:
+        return {}
+    print(f"serving engine: {1 - share:.0%} of a GPU is already taken (an earlier engine of this process, or another "
+          f"process); it gets gpu_memory_utilization {share:.2f} instead of vLLM's {VLLM_GPU_SHARE}", flush=True)
+    return {"gpu_memory_utilization": round(share, 3)}
 
 
 def greedy_generate(llm, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, num_logprobs: int = 2,  # noqa: ANN001
@@ -570,7 +613,10 @@ def spec_decode_counters(llm) -> SpecDecodeCounters:  # noqa: ANN001 - vllm.LLM
 
 
 def shutdown_engine(llm) -> None:  # noqa: ANN001 - vllm.LLM
-    """Stop an engine from `load_serving_engine` and free what it holds (in-process or not)."""
+    """Stop an engine from `load_serving_engine` and free what it holds (in-process or not), even while the caller
+    still holds `llm`: the LLM object lets go of its engine (weights, KV cache, CUDA graphs), so the GPU memory is
+    back before the caller's next load. On the H100 (vLLM 0.25) a caller that kept `llm` while loading the next
+    engine saw 5.8 of 79 GiB free and vLLM refused to start; `llm` is unusable afterwards."""
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     for owner in (engine, core):
@@ -578,6 +624,9 @@ def shutdown_engine(llm) -> None:  # noqa: ANN001 - vllm.LLM
         if callable(shutdown):
             shutdown()
             break
+    del engine, core
+    if "llm_engine" in getattr(llm, "__dict__", {}):
+        del llm.llm_engine
     _free_memory()
     process_threads.restore()
 

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3.capture.store import Sample, StoreWriter
 from eagle3.draft.target_head import extract_target_head, load_target_head, read_target_config
 from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
-from tests.on_device import TINY_TRAIN_ON_DEVICE
+from tests.on_device import ON_CUDA, TINY_TRAIN_ON_DEVICE
 
 NUM_LAYERS = 8
 HIDDEN = 64
@@ -48,6 +48,12 @@ class TinyWorld:
     vocab_path: Path
 
 
+# vLLM's CPU attention wants >= 32. On CUDA 64, the smallest head a served model has: vLLM 0.25's model runner V2
+# fails to capture the EAGLE-3 speculator's full CUDA graph at head_dim 32 on an H100 (cudaErrorInvalidAddressSpace;
+# the V1 runner and piecewise graphs load it), while targets with 64 serve with vLLM's defaults
+TINY_HEAD_DIM = 64 if ON_CUDA else 32
+
+
 def tiny_llama_config(tie: bool = False) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=VOCAB,
@@ -56,7 +62,7 @@ def tiny_llama_config(tie: bool = False) -> LlamaConfig:
         num_hidden_layers=NUM_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,  # not hidden/heads: checks that head_dim is carried; vLLM's CPU attention wants >= 32
+        head_dim=TINY_HEAD_DIM,  # not hidden/heads: checks that head_dim is carried
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,

@@ -3,6 +3,8 @@ test`) and on CUDA in bfloat16 (`make test-gpu`), each within its dtype's tolera
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,9 @@ from eagle3.capture.layers import resolve_decoder_stack
 from tests.on_device import DEVICE, DTYPE, TORCH_DTYPE, assert_close
 
 pytestmark = pytest.mark.vllm
+
+
+RUNNER_SETTING_BEFORE = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +144,9 @@ def test_tokens_never_scheduled_are_an_error(engine):
 
 def test_engine_settings_guard(engine):
     vllm_adapter.check_capture_safe(engine)  # eager + no prefix caching: accepted
+    # the capture engine's V1-runner setting was for its own load: engines loaded after it (the served evaluation's)
+    # get vLLM's default runner, as they would in a process that never captured
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == RUNNER_SETTING_BEFORE
     config = engine.llm_engine.vllm_config
     config.cache_config.enable_prefix_caching = True
     try:

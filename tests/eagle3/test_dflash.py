@@ -46,7 +46,7 @@ from eagle3.draft.target_head import (
 )
 from tests.eagle3 import arch_builders
 from tests.eagle3.draft_fixtures import single_thread
-from tests.on_device import DTYPE, assert_close, eager_serving, report
+from tests.on_device import DTYPE, assert_close, eager_serving, report, v1_model_runner
 
 LAYERS, AUX = 8, [2, 4, 5]  # the pipeline's default aux ids for 8 layers: [2, N//2, N-3]
 PROMPT, ANSWER = 8, 32
@@ -257,9 +257,11 @@ def served(world):
         alone = [o.token_ids for o in vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=16)]
     finally:
         vllm_adapter.shutdown_engine(llm)
-    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
-                                           speculative_dir=str(world.export), speculative_method="dflash",
-                                           num_speculative_tokens=world.config.num_speculative_tokens, setup=eager_serving())
+    with v1_model_runner():  # the hooks read the V1 runner's drafter
+        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
+                                               speculative_dir=str(world.export), speculative_method="dflash",
+                                               num_speculative_tokens=world.config.num_speculative_tokens,
+                                               setup=eager_serving())
     try:
         calls = _record(llm.collective_rpc(lambda worker: worker.model_runner)[0].drafter.model)
         vllm_adapter.greedy_generate(llm, prompts[:1], max_new_tokens=6)  # one request: its calls alone

@@ -29,7 +29,7 @@ from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, res
 from eagle3.train.config import TrainConfig
 from tests.eagle3 import arch_builders
 from tests.eagle3.vllm_drafter import first_two_draft_forwards
-from tests.on_device import DTYPE, ON_CUDA, TINY_TRAIN_ON_DEVICE, assert_close, eager_serving, report
+from tests.on_device import DTYPE, ON_CUDA, TINY_TRAIN_ON_DEVICE, assert_close, eager_serving, report, v1_model_runner
 
 pytestmark = pytest.mark.vllm
 
@@ -106,9 +106,10 @@ def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(tr
     from eagle3.draft.ttt_attention import new_ttt_cache
 
     ours, mapping = load_exported_draft(trained["export"])
-    llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype=DTYPE, max_model_len=64,
-                                           kv_cache_gib=1, speculative_dir=str(trained["export"]),
-                                           num_speculative_tokens=2, setup=eager_serving())
+    with v1_model_runner():
+        llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype=DTYPE, max_model_len=64,
+                                               kv_cache_gib=1, speculative_dir=str(trained["export"]),
+                                               num_speculative_tokens=2, setup=eager_serving())
     prompt = _prompts(seed=11, n=1, length=13)[0]
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
     embed = theirs.model.embed_tokens.weight.detach().float().cpu()  # the target's, shared

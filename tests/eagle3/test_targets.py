@@ -6,6 +6,7 @@ import importlib.util
 import json
 import shutil
 import struct
+import weakref
 from pathlib import Path
 
 import pytest
@@ -271,7 +272,9 @@ def test_smollm2_converts_once_and_answers_sensibly(tmp_path, monkeypatch):
             greedy = vllm.SamplingParams(temperature=0, max_tokens=20)
             assert "Paris" in llm.chat(question, greedy, use_tqdm=False)[0].outputs[0].text
         got = _vllm_next_tokens(llm, prompts)
+        engine = weakref.ref(llm.llm_engine)
         vllm_adapter.shutdown_engine(llm)  # frees the in-process engine before the next dtype loads
+        assert engine() is None, "shutdown_engine left the engine alive while the caller holds the LLM object"
         same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
         total = sum(len(w) for w in want)
         print(f"{dtype}: vLLM's next token = HF float32's at {same} of {total} positions")  # pytest -s shows it

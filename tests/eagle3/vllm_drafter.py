@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from tests.on_device import DTYPE, assert_close, eager_serving
+from tests.on_device import DTYPE, assert_close, eager_serving, v1_model_runner
 
 
 def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, dict, dict]:  # noqa: ANN001 - vllm.LLM
-    """Greedy-generate 2 tokens from `prompt` on an in-process engine that serves a draft, shut the engine down, and
+    """Greedy-generate 2 tokens from `prompt` on an in-process engine that serves a draft (loaded under
+    tests.on_device.v1_model_runner), shut the engine down, and
     return (vLLM's draft module, its first forward, its second): the first reads the whole prompt, the second the
     one token the first drafted. Each call: input_ids, positions, hidden_states (what the forward read), aux (the
     target's aux states before any norm, [T, n_aux*H]), fc_input (what fc read), logits (over the target vocabulary)
@@ -59,8 +60,9 @@ def assert_vllm_computes_our_llama_draft(export) -> torch.nn.Module:  # noqa: AN
     ours, mapping = load_exported_draft(export)
     world = tiny_world()
     vllm_adapter.release_all()
-    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=64, kv_cache_gib=1,
-                                           speculative_dir=str(export), num_speculative_tokens=2, setup=eager_serving())
+    with v1_model_runner():
+        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=64, kv_cache_gib=1,
+                                               speculative_dir=str(export), num_speculative_tokens=2, setup=eager_serving())
     prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
     embed = theirs.model.embed_tokens.weight.detach().float().cpu()  # the target's, shared
