@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -523,12 +524,13 @@ def load_serving_engine(
         # on an AMX CPU a float32 draft would pick AMX_MLA and refuse its weights
         speculative["attention_backend"] = attention_backend
     # before any load: does the target fit the GPUs this engine gets at this tensor parallel size?
-    target_preflight(Path(model_dir), setup.tensor_parallel_size, kv_cache_gib, kv_setting="eval.served_kv_cache_gib")
+    checked = target_preflight(Path(model_dir), setup.tensor_parallel_size, kv_cache_gib,
+                               kv_setting="eval.served_kv_cache_gib")
     process_threads.remember()  # put back by shutdown_engine
     per_request = vllm_versions.serving_options(vllm_versions.features(vllm.__version__), speculative=speculative is not None)
     return _new_llm(
         vllm,
-        **_gpu_share_free_now(setup.tensor_parallel_size),
+        **gpu_share_free_now(checked),
         model=str(model_dir),
         dtype=dtype,
         max_model_len=max_model_len,
@@ -548,25 +550,23 @@ def load_serving_engine(
 VLLM_GPU_SHARE = 0.92  # vLLM's default gpu_memory_utilization
 
 
-def _gpu_share_free_now(tensor_parallel_size: int) -> dict:
-    """gpu_memory_utilization for a serving engine: vLLM's default (nothing passed) where that much of each GPU is
-    free, else the share that is free less 1 GiB. vLLM refuses to start when less than its share is free, and after
-    a compiled engine with CUDA graphs is shut down in this process, vLLM 0.25 keeps 9.2 of 79 GiB of an H100 (the
-    served evaluation loads the target twice, the sweep more often). Nothing on the CPU build."""
-    import torch
-
-    if not torch.cuda.is_available():
+def gpu_share_free_now(preflight: dict) -> dict:
+    """gpu_memory_utilization for a serving engine, from its preflight's NVML reading of the GPUs it takes
+    (target_preflight's "gpus"): vLLM's default (nothing passed) where that much of each GPU is free, else the
+    share free on the fullest one less 1 GiB (the new engine's CUDA context and a margin). vLLM refuses to start
+    when less than its share is free, and after a compiled engine with CUDA graphs is shut down in this process,
+    vLLM 0.25 keeps 9.2 of an H100's 79 GiB (the served evaluation loads the target twice, the sweep more often).
+    Nothing where NVML read no GPU (the CPU build)."""
+    gpus = preflight.get("gpus") or []
+    if not gpus:
         return {}
-    shares = []
-    for device in range(min(tensor_parallel_size, torch.cuda.device_count())):
-        free, total = torch.cuda.mem_get_info(device)
-        shares.append((free - 2**30) / total)
-    share = min(shares)
+    share = math.floor(1000 * min((g["free_mib"] - 1024) / g["total_mib"] for g in gpus)) / 1000  # down: never more
     if share >= VLLM_GPU_SHARE:
         return {}
-    print(f"serving engine: {1 - share:.0%} of a GPU is already taken (an earlier engine of this process, or another "
-          f"process); it gets gpu_memory_utilization {share:.2f} instead of vLLM's {VLLM_GPU_SHARE}", flush=True)
-    return {"gpu_memory_utilization": round(share, 3)}
+    print(f"serving engine: {1 - share:.0%} of a GPU is taken before it starts (an earlier engine of this process, "
+          f"or another process); it gets gpu_memory_utilization {share:.3f} instead of vLLM's {VLLM_GPU_SHARE}",
+          flush=True)
+    return {"gpu_memory_utilization": share}
 
 
 def greedy_generate(llm, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, num_logprobs: int = 2,  # noqa: ANN001

@@ -77,6 +77,23 @@ def test_report_counts_identical_outputs_and_classifies_divergences():
     assert "1/6" in markdown and "not in top 20" in markdown and "| near-tie |" in markdown
 
 
+def test_a_served_engine_asks_vllm_only_for_the_share_of_its_gpus_that_is_free(capsys):
+    """vLLM refuses to start unless its gpu_memory_utilization (0.92 by default) of each GPU is free. After a compiled
+    engine was shut down, vLLM 0.25 kept 9.2 of an H100's 79 GiB, and the served evaluation's second engine refused
+    (benchmarks/results/test-gpu-h100-2026-12-05.txt): a served engine asks for what its preflight read free on its
+    fullest GPU, less 1 GiB, and says so; vLLM's default where enough is free, nothing where no GPU was read."""
+    from eagle3.capture.vllm_adapter import gpu_share_free_now
+
+    assert gpu_share_free_now({"checked": False, "reason": "no NVIDIA driver"}) == {}  # the CPU build
+    fresh = {"index": 0, "free_mib": 80_000, "total_mib": 81_559}
+    held = {"index": 1, "free_mib": 71_628, "total_mib": 81_079}  # the H100 after the compiled engine's shutdown
+    assert gpu_share_free_now({"checked": True, "gpus": [fresh]}) == {}
+    assert capsys.readouterr().out == ""
+    share = gpu_share_free_now({"checked": True, "gpus": [fresh, held]})["gpu_memory_utilization"]
+    assert 0.86 < share and share * held["total_mib"] <= held["free_mib"] - 1024
+    assert "gpu_memory_utilization 0.870" in capsys.readouterr().out
+
+
 def _records(tmp_path):
     """Stage records of the tiny world, as the flow would hand them to the evaluate stage."""
     world, trained = tiny_world(), trained_run()
