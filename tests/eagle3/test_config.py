@@ -106,6 +106,8 @@ def test_the_demo_runs_float32_on_cpus_without_bf16_hardware_and_bfloat16_on_the
         settings = preset_settings("demo", flags)
         served = settings["eval"].get("served_dtype", "auto")  # auto: the checkpoint's, bfloat16
         assert (settings["target"]["dtype"], served) == (dtype, "float32" if dtype == "float32" else "auto"), flags
+        # the draft trains in bfloat16 where the CPU computes it in hardware, else in float32 ('auto' on a CPU)
+        assert settings["train"].get("dtype", "auto") == ("bfloat16" if dtype == "bfloat16" else "auto"), flags
     here = build_config("demo")
     assert here.target.dtype == ("bfloat16" if native_bf16(read_cpu_flags()) else "float32")
     assert build_config("demo", overrides=["target.dtype=bfloat16"]).target.dtype == "bfloat16"  # a --set still wins
