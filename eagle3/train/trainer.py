@@ -152,8 +152,6 @@ def _setup(config: TrainConfig, store_dir: Path, target_dir: Path, head_path: Pa
     if init_from is not None:
         _warm_start(model, mapping, Path(init_from))
     model.to(device)
-    if bf16 and device.type == "cpu":
-        _no_onednn_primitive_cache()
     master = None
     if config.param_dtype == "bfloat16" or (config.param_dtype == "auto" and bf16):
         master = [p.detach().clone() for p in model.parameters()]  # fp32: what the optimizer updates
@@ -205,27 +203,6 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
     inductor = getattr(importlib.import_module("torch._inductor.exc"), "InductorError", None)
     return (*errors, inductor) if inductor is not None else tuple(errors)
-
-
-ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-
-
-def _no_onednn_primitive_cache() -> None:
-    """bfloat16 on the CPU runs its matmuls on oneDNN, which keeps a primitive per matmul shape (1024 by default;
-    oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once, at the process's first primitive). Packed micro-batches have
-    a new token count nearly every step, so the cache only grew: the demo's 140 bf16 steps on a Xeon with AMX took
-    the process from 3.8 to over 7 GB (benchmarks/results/demo-xeon-2026-12-06.txt). With no cache each step
-    builds its primitives afresh, at no measurable cost there. Only for this process's first primitive, and only
-    while it is made: the variable is put back, so the vLLM engines started later keep their cache. A user's own
-    setting of the variable wins; a process that made a bf16 primitive before keeps the cache it has."""
-    if ONEDNN_CACHE_ENV in os.environ:
-        return
-    os.environ[ONEDNN_CACHE_ENV] = "0"
-    try:
-        probe = torch.ones(64, 64, dtype=torch.bfloat16)
-        probe @ probe  # the first oneDNN primitive: the cache is made now, with the capacity above
-    finally:
-        del os.environ[ONEDNN_CACHE_ENV]
 
 
 def _warm_start(model: Eagle3Draft, mapping: VocabMapping, init_from: Path) -> None:

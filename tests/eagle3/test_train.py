@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 
 import pytest
 import torch
@@ -428,18 +427,3 @@ def test_feature_noise_changes_what_is_learned_resumes_as_if_never_stopped_and_k
     for bad in (-0.1, 1.5):
         with pytest.raises(ValidationError, match="feature_noise"):
             TrainConfig(feature_noise=bad)
-
-
-def test_bf16_training_on_the_cpu_bounds_onednns_cache_without_changing_what_later_processes_inherit(monkeypatch):
-    """bf16 on the CPU keeps a oneDNN primitive per matmul shape, and packed micro-batches change shape every step:
-    the demo's training grew past 7 GB (benchmarks/results/demo-xeon-2026-12-06.txt). The trainer makes the
-    process's cache with no capacity, but only while the variable oneDNN reads is set: the vLLM engines started
-    after training (the served evaluation) inherit the environment as it was, and a user's own value is kept."""
-    from eagle3.train.trainer import ONEDNN_CACHE_ENV, _no_onednn_primitive_cache
-
-    monkeypatch.delenv(ONEDNN_CACHE_ENV, raising=False)
-    _no_onednn_primitive_cache()
-    assert ONEDNN_CACHE_ENV not in os.environ
-    monkeypatch.setenv(ONEDNN_CACHE_ENV, "64")
-    _no_onednn_primitive_cache()
-    assert os.environ[ONEDNN_CACHE_ENV] == "64"
