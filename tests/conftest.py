@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
-def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One cache of builtin targets for the whole session (EAGLE3_CACHE_DIR for subprocesses)."""
-    path = Path(os.environ.get("EAGLE3_TEST_CACHE") or tmp_path_factory.mktemp("eagle3-cache"))
+    shared = os.environ.get("EAGLE3_TEST_CACHE")  # a developer's cache, maybe shared by xdist workers: left alone
+    path = Path(shared or tmp_path_factory.mktemp("eagle3-cache"))
     os.environ["EAGLE3_CACHE_DIR"] = str(path)
-    return path
+    yield path
+    if not shared:
+        _stop_leftover_engines(path)
+
+
+def _stop_leftover_engines(cache: Path) -> None:
+    """No warm engine outlives the session: one a test left would hold its memory (a whole GPU under make test-gpu)
+    for keep_warm_s after pytest exits. Each test stops its own; this names and stops any that one missed."""
+    import warnings
+
+    from eagle3.engine.client import stop_engine
+    from eagle3.engine.registry import live_engines
+
+    for home, info in live_engines(cache):
+        warnings.warn(f"a test left the warm engine {home.fingerprint} (pid {info['pid']}) running: stopped it",
+                      stacklevel=1)
+        stop_engine(home, info)
 
 
 @pytest.fixture(scope="session")
