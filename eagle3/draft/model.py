@@ -44,17 +44,19 @@ position of step j at row t: position(t) + j.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eagle3.draft.target_head import TargetHead, TargetTextConfig, rms_norm
 from eagle3.draft.ttt_attention import TTTCache, new_ttt_cache, ttt_attend
 from eagle3.draft.vocab import VocabMapping
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 
 class DraftConfig(BaseModel):
@@ -127,6 +129,8 @@ class DraftConfig(BaseModel):
 
     def llama_config(self) -> LlamaConfig:
         """The LlamaConfig of the draft's layers (speculators' `transformer_layer_config`)."""
+        from transformers import LlamaConfig  # here, not at the top: every `eagle3` command imports this module
+
         return LlamaConfig(
             vocab_size=self.target_vocab_size,
             hidden_size=self.hidden_size,
@@ -214,6 +218,8 @@ class Eagle3Draft(nn.Module):
         self.layers = nn.ModuleList([_Layer(c, first=i == 0) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         rotary = LlamaRotaryEmbedding(c.llama_config())
         self.register_buffer("inv_freq", rotary.inv_freq.clone(), persistent=False)  # [head_dim/2]
         self.rope_scaling = float(rotary.attention_scaling)

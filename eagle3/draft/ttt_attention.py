@@ -64,7 +64,17 @@ def _find_varlen():
     return varlen_attn, causal, "scale" in params
 
 
-_VARLEN = _find_varlen()
+_UNSET = object()
+_VARLEN = _UNSET  # _find_varlen()'s answer, found on the first CUDA use: importing torch.nn.attention.varlen imports
+# torch._dynamo (about 1 s), which an `eagle3` command that never trains (a refused setting, `eagle3 engine list`)
+# should not wait for
+
+
+def _varlen_found():  # noqa: ANN202 - _find_varlen's tuple or None
+    global _VARLEN
+    if _VARLEN is _UNSET:
+        _VARLEN = _find_varlen()
+    return _VARLEN
 
 
 @dataclass(frozen=True)
@@ -92,8 +102,8 @@ class DocLayout:
 
 def use_varlen(doc_ids: torch.Tensor | None, dtype: torch.dtype) -> bool:
     """Packed samples on CUDA, computed in bf16/fp16, with a torch that has varlen flash attention."""
-    return (doc_ids is not None and doc_ids.is_cuda and _VARLEN is not None
-            and dtype in (torch.bfloat16, torch.float16))
+    return (doc_ids is not None and doc_ids.is_cuda and dtype in (torch.bfloat16, torch.float16)
+            and _varlen_found() is not None)
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
