@@ -261,6 +261,44 @@ def test_batch_loss_reads_each_rows_target_where_ttt_alignment_says(tmp_path):
         torch.testing.assert_close(per_step[step], want, rtol=1e-5, atol=1e-6)
 
 
+def test_padded_cpu_batches_give_the_loss_and_gradients_of_the_batch():
+    """The CPU trainer pads each micro-batch to a multiple of 128 rows (few matmul shapes, so oneDNN reuses its
+    kernels): on a batch of three packed samples and on a single sample (plain causal attention), the loss, the
+    per-step losses and every gradient equal the unpadded batch's."""
+    from eagle3.draft.batches import pack, pad_rows
+    from eagle3.draft.model import DraftConfig, Eagle3Draft, init_draft
+    from eagle3.draft.target_head import read_target_config
+    from eagle3.draft.vocab import load_mapping
+    from eagle3.train.loss import batch_loss
+    from tests.eagle3.draft_fixtures import tiny_head
+
+    world, head = tiny_world(), tiny_head()
+    mapping = load_mapping(world.vocab_path)
+    model = Eagle3Draft(DraftConfig.from_target(read_target_config(world.target_dir), num_aux_hidden_states=3,
+                                                draft_vocab_size=mapping.draft_vocab_size))
+    init_draft(model, head, mapping, seed=3)
+    draft_head = type(head)(head.embed, head.norm_weight, head.norm_eps, head.lm_head[mapping.target_ids])
+    store = StoreReader(world.train_store)
+
+    def loss_and_grads(batch, one_doc):  # noqa: ANN001, ANN202
+        model.zero_grad(set_to_none=True)
+        total, per_step = batch_loss(model, batch, draft_head, one_doc)
+        total.backward()
+        return total.detach(), torch.stack(per_step).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    for indices in ((0, 1, 2), (3,)):
+        batch = pack([store[i] for i in indices], steps=3, max_tokens=64)
+        padded = pad_rows(batch, 128)
+        assert padded.num_tokens % 128 == 0 and padded.num_tokens > batch.num_tokens
+        assert pad_rows(padded, 128) is padded  # already a multiple: the same batch
+        want, got = loss_and_grads(batch, len(indices) == 1), loss_and_grads(padded, len(indices) == 1)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        assert want[2].keys() == got[2].keys()
+        for name, grad in want[2].items():
+            torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_ttt_loss_decay_weights_the_draft_positions_and_keeps_old_fingerprints_at_its_default():
     """train.ttt_loss_decay=0.5: the loss is (L0 + 0.5 L1 + 0.25 L2) / 1.75 of the same per-step losses (the first
     draft token counts most); at the default 1.0 it is their mean and the train fingerprint is the one from before
