@@ -79,14 +79,17 @@ def pack(samples: list[Sample], steps: int, max_tokens: int) -> MicroBatch:
 CPU_ROW_MULTIPLE = 128  # the CPU trainer's micro-batches are padded to a multiple of this many rows (pad_rows)
 
 
-def pad_rows(batch: MicroBatch, multiple: int) -> MicroBatch:
-    """`batch` with rows appended up to a multiple of `multiple`: a sample of their own (next doc id, positions from
-    0), zero states, token 0, loss weight 0. The loss and every gradient are those of `batch` (weighted means over
+def pad_rows(batch: MicroBatch, multiple: int, limit: int | None = None) -> MicroBatch:
+    """`batch` with rows appended up to a multiple of `multiple`, or to `limit` (train.batch_tokens, the longest a
+    batch gets) where that is less: a sample of their own (next doc id, positions from 0), zero states, token 0,
+    loss weight 0. The loss and every gradient are those of `batch` (weighted means over
     the weights; attention never crosses samples, and a single-sample batch's causal mask keeps rows after it
     unseen), so only the shapes change: oneDNN builds and keeps a kernel for each matmul shape it meets, and packed
     batches of every length made the demo's bf16 training grow to 7.1 GB on a 2-core Xeon; padded to 128, 3.2 GB
     and the training stage 16% faster (benchmarks/results/demo-xeon-2026-12-06.txt)."""
-    extra = -batch.num_tokens % multiple
+    rows = batch.num_tokens
+    target = rows + -rows % multiple
+    extra = (target if limit is None else max(rows, min(target, limit))) - rows
     if extra == 0:
         return batch
     states = torch.cat([batch.states, batch.states.new_zeros(extra, *batch.states.shape[1:])])
@@ -240,7 +243,7 @@ class BatchStream:
         if self.feed is not None:
             self.feed.consumed(index)  # read into memory: its shard leaves the disk
         if run.device.type == "cpu":  # few shapes, so oneDNN's kernels are reused, not built anew for each length
-            batch = pad_rows(batch, CPU_ROW_MULTIPLE)
+            batch = pad_rows(batch, CPU_ROW_MULTIPLE, run.config.batch_tokens)
         if self.copy_stream is None:
             return batch.map(lambda t: t.to(run.device)), None
         with torch.cuda.stream(self.copy_stream):  # host-to-device copies overlap the compute stream

@@ -291,6 +291,8 @@ def test_padded_cpu_batches_give_the_loss_and_gradients_of_the_batch():
         padded = pad_rows(batch, 128)
         assert padded.num_tokens % 128 == 0 and padded.num_tokens > batch.num_tokens
         assert pad_rows(padded, 128) is padded  # already a multiple: the same batch
+        assert pad_rows(batch, 128, limit=batch.num_tokens + 5).num_tokens == batch.num_tokens + 5  # never past the
+        assert pad_rows(batch, 128, limit=batch.num_tokens - 1) is batch  # longest batch train.batch_tokens makes
         want, got = loss_and_grads(batch, len(indices) == 1), loss_and_grads(padded, len(indices) == 1)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
