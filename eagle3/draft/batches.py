@@ -82,11 +82,11 @@ CPU_ROW_MULTIPLE = 128  # the CPU trainer's micro-batches are padded to a multip
 def pad_rows(batch: MicroBatch, multiple: int, limit: int | None = None) -> MicroBatch:
     """`batch` with rows appended up to a multiple of `multiple`, or to `limit` (train.batch_tokens, the longest a
     batch gets) where that is less: a sample of their own (next doc id, positions from 0), zero states, token 0,
-    loss weight 0. The loss and every gradient are those of `batch` (weighted means over
-    the weights; attention never crosses samples, and a single-sample batch's causal mask keeps rows after it
-    unseen), so only the shapes change: oneDNN builds and keeps a kernel for each matmul shape it meets, and packed
-    batches of every length made the demo's bf16 training grow to 7.1 GB on a 2-core Xeon; padded to 128, 3.2 GB
-    and the training stage 16% faster (benchmarks/results/demo-xeon-2026-12-06.txt)."""
+    loss weight 0. The loss and every gradient are those of `batch` (weighted means over the weights; attention
+    never crosses samples, and a single-sample batch's causal mask keeps rows after it unseen), so only the shapes
+    change: oneDNN builds and keeps a kernel for each matmul shape it meets, and packed batches of every length made
+    the demo's bf16 training grow to 7.1 GB on a 2-core Xeon; padded to 128, 3.2 GB and the training stage 16%
+    faster (benchmarks/results/demo-xeon-2026-12-06.txt)."""
     rows = batch.num_tokens
     target = rows + -rows % multiple
     extra = (target if limit is None else max(rows, min(target, limit))) - rows
