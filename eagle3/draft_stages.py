@@ -24,7 +24,8 @@ from eagle3.draft.architecture import read_text_config, resolve
 from eagle3.evaluate.acceptance import AcceptanceReport, EvalConfig, Progress, SourceFigures, simulate_acceptance
 from eagle3.draft.export import export_draft
 from eagle3.train.launch import resolve_num_processes, train_distributed
-from eagle3.evaluate.plots import ACCEPTANCE_PNG, LOSS_PNG, plot_acceptance, plot_training_loss
+from eagle3.evaluate.plots import (ACCEPTANCE_PNG, LOSS_PNG, SWEEP_PNG, plot_acceptance, plot_served_sweep,
+                                  plot_training_loss)
 from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
 from eagle3.evaluate.served_sweep import SweepReport, served_sweep
 from eagle3.draft.target_head import load_target_head, read_target_config
@@ -338,10 +339,11 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
         payload = {"simulated": report.to_dict(), "served": served.to_dict() if served is not None else None, "plots": plots}
         if sweep is not None:
             payload["served_sweep"] = sweep.to_dict()
+            payload["plots"] = [*plots, plot_served_sweep(payload["served_sweep"]["rows"], tmp / SWEEP_PNG).name]
         atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
         atomic_write_text(tmp / "acceptance.md", _markdown(report, served, plots, _checkpoint_table(exported),
                                                            _source_section(payload, served))
-                          + ("\n" + sweep.to_markdown() if sweep is not None else ""))
+                          + ("\n" + sweep.to_markdown(plot=SWEEP_PNG) if sweep is not None else ""))
         stats = {"acceptance_length": round(report.acceptance_length, 4), "num_drafts": report.num_drafts,
                  "per_position": json.dumps([round(p, 4) for p in report.per_position])}
         if served is not None:

@@ -1,4 +1,4 @@
-"""PNG plots of a run: the training loss, and acceptance by draft position.
+"""PNG plots of a run: the training loss, acceptance by draft position, and the served sweep's speedup.
 
 matplotlib with its Agg backend (no display needed), imported lazily; each plot is
 written atomically (temporary name in the same folder, then renamed).
@@ -11,6 +11,7 @@ from pathlib import Path
 
 LOSS_PNG = "training_loss.png"
 ACCEPTANCE_PNG = "acceptance_by_position.png"
+SWEEP_PNG = "served_speedup.png"
 
 
 def _pyplot():  # noqa: ANN202 - the matplotlib.pyplot module
@@ -89,6 +90,33 @@ def plot_acceptance(simulated: list[float], served: list[float] | None, path: Pa
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Acceptance by draft position")
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_served_sweep(rows: list[dict], path: Path) -> Path:
+    """The served sweep's speedup (tokens/s with the draft over without) against concurrency, a line per k, with
+    the break-even at 1.0: the plot of acceptance.md's "Speed per concurrency and k" table. `rows`: dicts with k,
+    concurrency and speedup (SweepReport.to_dict()["rows"])."""
+    if not rows:
+        raise ValueError("no served sweep rows to plot; was eval.served_concurrency or eval.served_k set?")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in sorted({r["k"] for r in rows}):
+        mine = sorted((r for r in rows if r["k"] == k), key=lambda r: r["concurrency"])
+        ax.plot([r["concurrency"] for r in mine], [r["speedup"] for r in mine], "o-", label=f"k={k}")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="target alone")
+    concurrencies = sorted({r["concurrency"] for r in rows})
+    if len(concurrencies) > 1 and concurrencies[-1] / concurrencies[0] >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.set_xlabel("concurrency (requests decoding together)")
+    ax.set_ylabel("speedup (tokens/s with draft / without)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Served speedup per concurrency and num_speculative_tokens")
     try:
         return _save(fig, path)
     finally:

@@ -70,13 +70,16 @@ class SweepReport:
                 "recommendation": [asdict(r) for r in self.recommendations()],
                 "engines": {name: asdict(mode) for name, mode in self.engines.items()}}
 
-    def to_markdown(self) -> str:
+    def to_markdown(self, plot: str | None = None) -> str:
+        """The rows as a table, `plot` (a PNG beside acceptance.md) under it, then the recommendation per concurrency."""
         lines = ["### Speed per concurrency and k", "",
                  "| k | concurrency | acceptance length | tokens/s with draft | tokens/s without | speedup |",
                  "|---|---|---|---|---|---|"]
         for r in sorted(self.rows, key=lambda r: (r.concurrency, r.k)):
             lines.append(f"| {r.k} | {r.concurrency} | {r.acceptance_length:.3f} | {r.tokens_per_second_draft:.1f} | "
                          f"{r.tokens_per_second_target:.1f} | {r.speedup:.2f}x |")
+        if plot:
+            lines += ["", f"![speedup per concurrency and k]({plot})"]
         lines += ["", "**Recommendation** (per concurrency, from the rows above):", ""]
         for rec in self.recommendations():
             if rec.k is None:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from eagle3.capture.store import StoreReader
 from eagle3.draft.export import export_draft
 from eagle3.evaluate.acceptance import EvalConfig
+from eagle3.evaluate.plots import SWEEP_PNG, plot_served_sweep
 from eagle3.evaluate.served_eval import heldout_prompts
 from eagle3.evaluate.served_sweep import (
     SweepReport,
@@ -66,6 +67,21 @@ def test_a_draft_slower_at_every_k_says_serve_without_it():
     assert [(r.concurrency, r.k, r.speculative_config) for r in sweep.recommendations()] == [(1, None, None), (4, None, None)]
     text = sweep.to_markdown()
     assert "concurrency 1: serve without the draft" in text and "best 0.60x" in text and "--speculative-config" not in text
+
+
+def test_the_sweep_plot_is_written_from_the_rows_and_shown_in_the_report(tmp_path):
+    rows = _rows({(1, 1): 120.0, (2, 1): 150.0, (1, 8): 500.0, (2, 8): 450.0}, {1: 100.0, 8: 400.0})
+    sweep = SweepReport(EXPORT, rows)
+    written = plot_served_sweep(sweep.to_dict()["rows"], tmp_path / SWEEP_PNG)
+    assert written == tmp_path / SWEEP_PNG and written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SWEEP_PNG]  # written whole: no temporary file left
+    text = sweep.to_markdown(plot=SWEEP_PNG)
+    table_end, image = text.index("| 2 | 8 |"), text.index(f"![speedup per concurrency and k]({SWEEP_PNG})")
+    assert table_end < image < text.index("**Recommendation**")
+    assert SWEEP_PNG not in sweep.to_markdown()
+    with pytest.raises(ValueError, match="no served sweep rows"):
+        plot_served_sweep([], tmp_path / "empty.png")
+    assert not (tmp_path / "empty.png").exists()
 
 
 def test_waves_split_the_prompts_into_groups_of_the_concurrency():
