@@ -8,7 +8,8 @@ drafts, so an MLA draft is written the way vLLM's own deepseek_eagle3.py reads o
                        [Eagle3DeepseekV3ForCausalLM]`, one layer of the draft's MLA shape, `q_lora_rank` always
                        written (DeepseekV2Config's default is 1536, not None), `norm_before_residual` always
                        written (vLLM assumes False when absent), `draft_vocab_size`, `target_hidden_size`,
-                       `eagle_config.eagle_aux_hidden_state_layer_ids` (the target's aux layers vLLM collects)
+                       `eagle_config.eagle_aux_hidden_state_layer_ids` (the target's aux layers vLLM collects),
+                       `rope_parameters` (a plain RoPE as YaRN of factor 1: see portable_rope)
     model.safetensors  fc, midlayer.* (vLLM's hf_to_vllm_mapper turns `midlayer.` into `layers.0.`), norm,
                        lm_head, and d2t/t2d as the Llama export writes them (eagle3.draft.export)
 
@@ -41,7 +42,7 @@ def vllm_config(draft: MLADraftConfig, *, aux_layer_ids: list[int], num_speculat
         "intermediate_size": draft.intermediate_size,
         "hidden_act": draft.hidden_act,
         "rms_norm_eps": draft.rms_norm_eps,
-        "rope_parameters": dict(draft.rope_parameters),
+        "rope_parameters": portable_rope(dict(draft.rope_parameters), draft.max_position_embeddings),
         "max_position_embeddings": draft.max_position_embeddings,
         "vocab_size": draft.target_vocab_size,
         "draft_vocab_size": draft.draft_vocab_size,
@@ -53,6 +54,28 @@ def vllm_config(draft: MLADraftConfig, *, aux_layer_ids: list[int], num_speculat
         # EAGLE 3.1, written only when on: an export without them is byte for byte what it was before they existed
         **{flag: True for flag in ("fc_norm", "norm_output") if getattr(draft, flag)},
     }
+
+
+def portable_rope(rope: dict, max_position_embeddings: int) -> dict:
+    """A plain RoPE ('default') written as YaRN of factor 1, which computes the same cos/sin and softmax scale in
+    vLLM's DeepSeek attention (every frequency kept, every mscale 1), so that every vLLM of our span loads it.
+
+    vLLM 0.25's deepseek_eagle3.py builds the draft's attention from `config.rope_scaling` and, when that is set,
+    forces DeepSeek YaRN, which needs `factor`. transformers 5 answers `rope_scaling` with `rope_parameters`, which is
+    always set, so a draft of a target without YaRN failed to load there (KeyError: 'factor', seen on an H100 with
+    the reduced DeepSeek-V3 of benchmarks/served_speed.py). A YaRN RoPE is written as it is."""
+    if rope.get("rope_type", "default") != "default":
+        return rope
+    return {**rope, "rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": max_position_embeddings}
+
+
+def plain_rope(rope: dict, max_position_embeddings: int) -> dict:
+    """portable_rope's inverse: the draft's own RoPE settings from an export's config.json."""
+    if (rope.get("rope_type") == "yarn" and rope.get("factor") == 1.0
+            and rope.get("original_max_position_embeddings") == max_position_embeddings):
+        return {k: v for k, v in rope.items() if k not in ("factor", "original_max_position_embeddings")} | {
+            "rope_type": "default"}
+    return rope
 
 
 def is_native_mla(raw: dict) -> bool:
@@ -67,7 +90,8 @@ def draft_config_of(raw: dict) -> MLADraftConfig:
         kv_lora_rank=raw["kv_lora_rank"], qk_rope_head_dim=raw["qk_rope_head_dim"],
         qk_nope_head_dim=raw["qk_nope_head_dim"], v_head_dim=raw["v_head_dim"],
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw["rms_norm_eps"],
-        rope_parameters=raw["rope_parameters"], max_position_embeddings=raw["max_position_embeddings"],
+        rope_parameters=plain_rope(raw["rope_parameters"], raw["max_position_embeddings"]),
+        max_position_embeddings=raw["max_position_embeddings"],
         hidden_act=raw.get("hidden_act", "silu"),
         num_aux_hidden_states=len(raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
         target_vocab_size=raw["vocab_size"], draft_vocab_size=raw["draft_vocab_size"],

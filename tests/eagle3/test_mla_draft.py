@@ -253,6 +253,42 @@ def test_the_mla_drafts_yarn_rope_is_vllms_deepseek_rope_at_the_real_models_sett
     assert softmax_scale == pytest.approx(want_softmax, rel=1e-12)
 
 
+def test_a_draft_of_a_target_without_yarn_exports_a_rope_every_vllm_loads_and_computes_the_same_rotation():
+    """A DeepSeek-V3-like target without YaRN (the reduced one of benchmarks/served_speed.py): vLLM 0.25 forces
+    DeepSeek YaRN on the draft and failed on its config (KeyError: 'factor', on an H100). The export writes the plain
+    RoPE as YaRN of factor 1; vLLM's DeepseekScalingRotaryEmbedding at factor 1 gives our plain rotation, the
+    softmax scale is unchanged, and reading the export back gives the draft's plain RoPE."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    from eagle3.draft import mla_export
+    from eagle3.draft.mla import MLADraftConfig, deepseek_rope
+    from eagle3.draft.model import rope_cos_sin
+
+    plain = {"rope_type": "default", "rope_theta": 10000.0}
+    config = MLADraftConfig.from_target({**arch_builders.deepseek_v3_config(), "rope_parameters": plain},
+                                        DraftSettings(architecture="deepseek_mla"), num_aux_hidden_states=3,
+                                        draft_vocab_size=DRAFT_VOCAB)
+    raw = mla_export.vllm_config(config, aux_layer_ids=[1, 2, 3], num_speculative_tokens=3)
+    written = raw["rope_parameters"]
+    assert (written["rope_type"], written["factor"]) == ("yarn", 1.0)
+    assert written["original_max_position_embeddings"] == config.max_position_embeddings
+    assert mla_export.draft_config_of(raw).rope_parameters == plain
+
+    inv_freq, scale, softmax_scale = deepseek_rope(config)
+    as_written = deepseek_rope(config.model_copy(update={"rope_parameters": written}))
+    assert torch.equal(as_written[0], inv_freq) and as_written[1:] == (scale, softmax_scale)
+    dim = config.qk_rope_head_dim
+    with set_current_vllm_config(VllmConfig()):
+        theirs = DeepseekScalingRotaryEmbedding(dim, dim, config.max_position_embeddings, 10000.0, False, 1.0,
+                                                torch.float32)
+    positions = torch.tensor([0, 1, 7, config.max_position_embeddings - 1])
+    cos, sin = rope_cos_sin(positions, inv_freq, scale)
+    want_cos, want_sin = theirs.cos_sin_cache[positions].chunk(2, dim=-1)
+    torch.testing.assert_close(cos[:, :dim // 2], want_cos, atol=2e-5, rtol=0)
+    torch.testing.assert_close(sin[:, :dim // 2], want_sin, atol=2e-5, rtol=0)
+
+
 def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_output_without_it(trained, tmp_path):
     """Issue 28's served check: the tiny Kimi-K2.5 WITH its vision tower (MoonViT, built by arch_builders) serves a
     prompt holding an image (a random PNG, vLLM's own Kimi multimodal processor) with our MLA draft, and the greedy
