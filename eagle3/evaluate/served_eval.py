@@ -247,14 +247,16 @@ class ServedReport:
         if rates is None or self.speedup is None:
             return ""
         text = (f"**Speedup: {self.speedup:.2f}x** ({rates[0]:.1f} tokens/s with the draft, {rates[1]:.1f} without; "
-                f"greedy generation of the same prompts, loads excluded: {self.seconds_speculative:.1f} s against "
-                f"{self.seconds_reference:.1f} s).")
+                f"greedy generation of the same {self.num_prompts} prompts, all submitted at once, loads excluded: "
+                f"{self.seconds_speculative:.1f} s against {self.seconds_reference:.1f} s).")
         if self.speedup < 1:
-            text += (" **The draft makes serving slower on this machine.** Each step runs the draft once per draft "
-                     "token and verifies them all in one target pass; that pays only when a target pass costs much "
-                     "more than a draft pass and verifying several tokens costs about as much as decoding one, as for "
-                     "a large target on a GPU. On a CPU, or with a target barely larger than its draft, the draft's "
-                     "own cost and the longer verify pass eat what the accepted tokens save.")
+            text += (" **At this concurrency the draft makes serving slower.** Each step runs the draft once per "
+                     "draft token and verifies them all in one target pass; that pays only when a target pass costs "
+                     "much more than a draft pass and verifying several tokens costs about as much as decoding one, "
+                     "as for a large target on a GPU with few requests at once. On a CPU, with many requests at once, "
+                     "or with a target barely larger than its draft, the draft's own cost and the longer verify pass "
+                     "eat what the accepted tokens save. eval.served_concurrency measures the speed at the "
+                     "concurrencies you serve.")
         return text + "\n\n"
 
     def _engines(self) -> str:
