@@ -22,6 +22,7 @@ from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
 from eagle3.draft.architecture import read_text_config, resolve
 from eagle3.evaluate.acceptance import AcceptanceReport, EvalConfig, Progress, SourceFigures, simulate_acceptance
+from eagle3.draft.dflash_export import export_dflash, is_dflash, load_exported_dflash
 from eagle3.draft.export import export_draft
 from eagle3.train.launch import resolve_num_processes, train_distributed
 from eagle3.evaluate.plots import (ACCEPTANCE_PNG, LOSS_PNG, SWEEP_PNG, plot_acceptance, plot_served_sweep,
@@ -29,6 +30,7 @@ from eagle3.evaluate.plots import (ACCEPTANCE_PNG, LOSS_PNG, SWEEP_PNG, plot_acc
 from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
 from eagle3.evaluate.served_sweep import SweepReport, served_sweep
 from eagle3.draft.target_head import load_target_head, read_target_config
+from eagle3.train.dflash_trainer import heldout_acceptance, is_dflash_checkpoint, load_dflash_checkpoint, train_dflash
 from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 from eagle3.online.feed import GIB, OnlineConfig, OnlineData, OnlineDataError, OnlineSample, check_buffer, plan_text
@@ -74,7 +76,7 @@ def fingerprint_train(config: TrainConfig, extracted: StageRecord, vocab: StageR
     machine names the same artifact (a sweep's parent without a GPU computes its points' fingerprints before a GPU
     worker trains them; a run resumes on another number of GPUs)."""
     settings = config.model_dump(exclude=RUNTIME_ONLY)
-    settings["draft"] = resolve(config.draft, _target_text_config(target)).model_dump()  # auto: what it trains
+    settings["draft"] = resolve(config.draft, _target_text_config(target)).fingerprint_view()  # auto: what it trains
     for name, default in ADDED_WITH_DEFAULT.items():  # a setting added later, at its default: the old fingerprint
         if settings[name] == default:
             del settings[name]
@@ -120,7 +122,16 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
              "vocab_path": vocab.path / VOCAB_FILE, "heldout_store_dir": heldout if len(StoreReader(heldout)) else None,
              "init_from": init_from}
     processes = resolve_num_processes(config)  # per machine; train.nnodes machines (this one is node 0)
-    if config.data != "store":
+    if config.draft.method == "dflash":
+        if init_from is not None:
+            raise ValueError(f"train.draft.method is 'dflash', but this run starts from the exported draft {init_from} "
+                             "(the nightly warm start), which DFlash training does not take yet; set "
+                             "warm_start: false")
+        with trainer_on_gpu(config.devices):
+            result = train_dflash(config, store_dir=paths["store_dir"], target_dir=paths["target_dir"],
+                                  head_path=paths["head_path"], out_dir=final, progress=progress,
+                                  heldout_store_dir=paths["heldout_store_dir"])
+    elif config.data != "store":
         if online is None:
             raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
                              "passes them (run_train(online=OnlineSetup(...)))")
@@ -148,7 +159,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
         "processes": processes,
         "nnodes": config.nnodes,
         "data": config.data,
-    } | result.online
+    } | result.online | ({"method": "dflash"} if config.draft.method == "dflash" else {})
     return mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint=fp, stats=stats))
 
 
@@ -267,8 +278,11 @@ def run_export(target: StageRecord, trained: StageRecord, vocab: StageRecord, ro
         return done
     info = TargetInfo.read(target.path)
     checkpoint = trained.path / str(trained.stats["checkpoint"])
-    export_draft(checkpoint, final, target_dir=Path(info.model_dir), aux_layer_ids=info.aux_layer_ids,
-                 vocab_path=vocab.path / VOCAB_FILE)
+    if is_dflash_checkpoint(checkpoint):  # train.draft.method: dflash (the target's vocabulary: no mapping)
+        export_dflash(load_dflash_checkpoint(checkpoint), final)
+    else:
+        export_draft(checkpoint, final, target_dir=Path(info.model_dir), aux_layer_ids=info.aux_layer_ids,
+                     vocab_path=vocab.path / VOCAB_FILE)
     stats = {"checkpoint": str(checkpoint), "train_dir": str(trained.path),
              "bytes": sum(p.stat().st_size for p in final.iterdir() if p.is_file())}
     return mark_complete(final, StageRecord(stage="export", uri=str(final), fingerprint=fp, stats=stats))
@@ -313,6 +327,8 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
     head = load_target_head(target.path / HEAD_FILE, target_config)
     prompts: list[list[int]] = []
     sources: list[str | None] = []  # each prompt's data source
+    images: list = []
+    longest = 0
     if config.served:
         limit = target_config.max_position_embeddings - config.served_max_new_tokens - config.num_draft_tokens - 1
         pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in reader)
@@ -322,6 +338,9 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
         longest = max((len(p) for p in prompts), default=0)  # as the engine runs them: images expanded
         prompts, images = _served_images(extracted, reader, rows, info.model_dir)
     bar = _EvalProgress(progress, len(reader) + 2 * len(prompts))
+    if is_dflash(json.loads((exported.path / "config.json").read_text())):
+        return _evaluate_dflash(config, exported, reader, head, prompts, sources, images, longest, info, serving,
+                                final, fp, bar)
     report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False,
                                  progress=bar.simulated)
     served = None
@@ -360,6 +379,58 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                                                          "num_drafts": f.drafts, "served_acceptance_length":
                                                          None if f.served is None else round(f.served, 4)}
                                               for f in SourceFigures.from_payload(payload)})
+        return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
+
+
+DFLASH_EVAL_ANCHORS = 32  # held-out blocks scored per sample (fixed anchors, as in training's held-out scoring)
+
+
+def _evaluate_dflash(config: EvalConfig, exported: StageRecord, reader: StoreReader, head, prompts, sources,  # noqa: ANN001
+                     images, longest: int, info: TargetInfo, serving: ServingSetup, final: Path, fp: str,
+                     bar: _EvalProgress) -> StageRecord:
+    """run_evaluate for a DFlash export: (a) the held-out blocks' acceptance (eagle3.train.dflash_trainer); (b) vLLM
+    serving it (method dflash, num_speculative_tokens = block_size - 1: a DFlash draft drafts its whole block, so
+    eval.num_draft_tokens and the k of the sweep do not apply)."""
+    model = load_exported_dflash(exported.path)
+    n = len(reader.aux_layer_ids)
+    rows = [(s.input_ids.long(), s.loss_mask.bool(), s.hidden_states[:, :n].float()) for s in reader]
+    simulated = heldout_acceptance(model, head.embed.float(), rows, DFLASH_EVAL_ANCHORS)
+    bar.simulated(len(rows), len(rows), 0)
+    k = model.config.num_speculative_tokens
+    served = None
+    if config.served:
+        served = served_acceptance(
+            Path(info.model_dir), exported.path, prompts, num_draft_tokens=k,
+            max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
+            kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap, sources=sources,
+            images=images, longest_prompt=longest, setup=serving, speculative_method="dflash")
+        bar.served(served.generated_tokens)
+    positions = " | ".join(str(j) for j in range(1, k + 1))
+    shares = " | ".join(f"{p:.3f}" for p in simulated["per_position"])
+    parts = ["# Acceptance (DFlash draft)\n",
+             f"## (a) Held-out blocks\n\n**Acceptance length (held-out blocks): {simulated['acceptance_length']:.3f}** "
+             f"({simulated['num_drafts']} blocks of {k} drafted tokens: 1 + the drafted tokens that match the "
+             "held-out answer before the first miss, as a chain verifier accepts them)\n",
+             f"| draft position | {positions} |\n|---|{'---|' * k}\n| all matched so far | {shares} |\n",
+             "## (b) Served by vLLM (speculative decoding, method dflash)\n",
+             served.to_markdown() if served is not None else "Not run (evaluate.served is off).\n"]
+    if config.served_concurrency or config.served_k:
+        parts.append("The speed per concurrency and k (eval.served_concurrency, eval.served_k) is measured for "
+                     "EAGLE-3 drafts only so far: a DFlash draft drafts its whole block (k = block_size - 1).\n")
+    with building(final) as tmp:
+        payload = {"simulated": simulated | {"method": "dflash", "num_speculative_tokens": k},
+                   "served": served.to_dict() if served is not None else None, "plots": []}
+        atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
+        atomic_write_text(tmp / "acceptance.md", "\n".join(parts))
+        stats = {"acceptance_length": round(simulated["acceptance_length"], 4), "num_drafts": simulated["num_drafts"],
+                 "per_position": json.dumps([round(p, 4) for p in simulated["per_position"]]), "method": "dflash"}
+        if served is not None:
+            stats |= {"served_acceptance_length": round(served.acceptance_length, 4),
+                      "served_identical_share": round(served.identical_share, 4),
+                      "served_near_ties": served.near_ties, "served_num_drafts": served.num_drafts,
+                      "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
+            if served.speedup is not None:
+                stats["served_speedup"] = round(served.speedup, 4)
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
 
 

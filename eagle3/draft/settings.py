@@ -12,6 +12,14 @@ Architecture = Literal["llama", "deepseek_mla"]
 # the MLA shape settings: the target's by default, smaller ones settable
 MLA_SHAPES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
               "v_head_dim", "intermediate_size")
+# the DFlash settings (train.draft.method: dflash): out of an EAGLE-3 draft's fingerprint, so drafts trained before
+# they existed keep their artifacts
+DFLASH_FIELDS = ("method", "block_size", "mask_token_id", "decay_gamma", "anchors_per_sample")
+
+
+def default_decay_gamma(block_size: int) -> float:
+    """The DFlash paper's loss decay for its block sizes: 7 for 16 (and longer), 5 for 10, 4 for 8 (and shorter)."""
+    return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
 
 
 class DraftArchitectureError(ValueError):
@@ -61,8 +69,37 @@ class DraftSettings(BaseModel):
         "multi-layer EAGLE-3). Each layer adds about a layer of the target's cost to every drafted token. "
         "Llama-style drafts only.")
 
+    method: Literal["eagle3", "dflash"] = Field(
+        default="eagle3", description="The kind of draft: 'eagle3' (one token per draft forward, vLLM's method "
+        "eagle3) or 'dflash' (a block of tokens per forward, non-causal, over the target's states of several layers; "
+        "vLLM's method dflash, DFlashDraftModel; docs/dflash.md). dflash takes the target's layer shape, "
+        "train.draft.num_layers, block_size, mask_token_id, decay_gamma and anchors_per_sample.")
+    block_size: int = Field(
+        default=16, ge=2, le=64, description="dflash: tokens per drafted block (the anchor and block_size - 1 drafted "
+        "tokens: vLLM serves it with num_speculative_tokens = block_size - 1). The paper trains 16.")
+    mask_token_id: int | None = Field(
+        default=None, ge=0, description="dflash (required): the token id whose embedding fills the drafted slots; "
+        "one that never occurs in text (a reserved or unused id of the target's vocabulary).")
+    decay_gamma: float | None = Field(
+        default=None, gt=0, description="dflash: the loss weight of block slot k is exp(-(k-1)/decay_gamma) "
+        "(default: the paper's 7 for block 16, 5 for 10, 4 for 8).")
+    anchors_per_sample: int = Field(
+        default=32, ge=1, description="dflash: random anchor positions (one block each) trained per sample per step.")
+
     @model_validator(mode="after")
     def _check(self) -> DraftSettings:
+        if self.method == "eagle3":
+            changed = [name for name in DFLASH_FIELDS[1:] if getattr(self, name) != type(self).model_fields[name].default]
+            if changed:
+                raise ValueError(f"train.draft.{changed[0]} is set, but it belongs to the DFlash draft and "
+                                 "train.draft.method is 'eagle3'; unset it, or set train.draft.method: dflash")
+        else:
+            if self.mask_token_id is None:
+                raise ValueError("train.draft.method is 'dflash', which needs train.draft.mask_token_id: a token id "
+                                 "that never occurs in text (a reserved or unused id of the target's vocabulary)")
+            if self.architecture == "deepseek_mla" or self.shapes() or self.fc_norm or self.norm_output:
+                raise ValueError("train.draft.method is 'dflash', whose layers take the target's shape: unset "
+                                 "train.draft.architecture's MLA settings and fc_norm/norm_output (EAGLE-3 only)")
         set_shapes = [name for name in MLA_SHAPES if getattr(self, name) is not None]
         if self.architecture == "llama" and set_shapes:
             raise ValueError(f"train.draft.{set_shapes[0]} is set, but train.draft.architecture='llama' takes its "
@@ -72,6 +109,17 @@ class DraftSettings(BaseModel):
                              "(train.draft.architecture='deepseek_mla') is trained with one layer; set "
                              "train.draft.num_layers: 1")
         return self
+
+    def fingerprint_view(self) -> dict:
+        """The settings as the train fingerprint holds them: an EAGLE-3 draft's without the DFlash fields."""
+        values = self.model_dump()
+        if self.method == "eagle3":
+            values = {k: v for k, v in values.items() if k not in DFLASH_FIELDS}
+        return values
+
+    def gamma(self) -> float:
+        """decay_gamma, or its default for block_size."""
+        return self.decay_gamma if self.decay_gamma is not None else default_decay_gamma(self.block_size)
 
     def shapes(self) -> dict[str, int]:
         """The MLA shapes this run sets (the rest are the target's)."""

@@ -358,8 +358,10 @@ def served_acceptance(
     images: Sequence[Sequence[str]] = (),
     longest_prompt: int | None = None,
     setup: vllm_adapter.ServingSetup = vllm_adapter.ServingSetup(),
+    speculative_method: str = "eagle3",
 ) -> ServedReport:
     """Serve the target with and without the draft on `prompts` (greedy) and compare; see the module docstring.
+    `speculative_method`: vLLM's method for the draft folder ("dflash" for a DFlash export).
     `sources`: each prompt's data source (empty: none), for the per-source served figures. `images`: per prompt its
     image URLs (empty: text only), `longest_prompt` then the longest prompt as the engine runs it (images expanded).
     `setup`: how the engines run (vllm_adapter.ServingSetup: by default as `vllm serve` runs them); each engine's mode
@@ -389,7 +391,8 @@ def served_acceptance(
             vllm_adapter.shutdown_engine(llm)
             del llm
 
-    spec, seconds_spec, counters, spec_mode = run(speculative_dir=str(export_dir), num_speculative_tokens=num_draft_tokens)
+    spec, seconds_spec, counters, spec_mode = run(speculative_dir=str(export_dir), num_speculative_tokens=num_draft_tokens,
+                                                  speculative_method=speculative_method)
     ref, seconds_ref, _, ref_mode = run()
     report = build_report(counters, spec, ref, num_draft_tokens, near_tie_gap, seconds_spec, seconds_ref, sources)
     return replace(report, prompts_with_images=sum(map(bool, images)), engines=[spec_mode, ref_mode])

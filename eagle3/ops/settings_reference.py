@@ -45,6 +45,11 @@ _KNOWN_ALTERNATIVES: dict[str, list[object]] = {"target.model": ["builtin:tiny",
                                                 "eval.served_concurrency": [[1, 8]], "eval.served_k": [[1, 2]]}
 # Settings with one valid value: nothing to compare.
 _FIXED = {"target.pipeline_parallel_size"}
+# Settings valid only beside others (the DFlash draft's): those are set with them when a value is tried.
+_DFLASH = {"train.draft.method": "dflash", "train.draft.mask_token_id": 1}
+_COMPANIONS: dict[str, dict[str, object]] = {
+    f"train.draft.{name}": {k: v for k, v in _DFLASH.items() if k != f"train.draft.{name}"}
+    for name in ("method", "block_size", "mask_token_id", "decay_gamma", "anchors_per_sample")}
 
 
 def leaf_fields(model: type[BaseModel], prefix: str = "", skip: frozenset[str] = frozenset()
@@ -167,7 +172,10 @@ def first_rerun(path: str, info: FieldInfo, known: dict[str, list[object]]) -> t
         current = _value_at(config, path)
         for value in [v for v in known.get(path, []) if v != current] or _alternatives(current, info.annotation):
             try:
-                after = stage_fingerprints(PipelineConfig.model_validate(_with(base, path, value)))
+                changed = _with(base, path, value)
+                for companion, companion_value in _COMPANIONS.get(path, {}).items():
+                    changed = _with(changed, companion, companion_value)
+                after = stage_fingerprints(PipelineConfig.model_validate(changed))
             except (ValidationError, ValueError, OSError):
                 continue  # not a valid value here: try the next one
             compared = True

@@ -27,7 +27,7 @@ ADDED_WITH_DEFAULT = {"optimizer": "adamw", "tokens_per_step": "auto", "select":
 AUTO_TOKENS_PER_STEP_CUDA = 16_384
 # train.draft counts as the architecture it resolves to (eagle3.draft.architecture.resolve: the trainer's meta and
 # fingerprint_train hold it resolved); every run before the setting trained the Llama-style draft.
-ADDED_WITH_DEFAULT["draft"] = DraftSettings(architecture="llama").model_dump()
+ADDED_WITH_DEFAULT["draft"] = DraftSettings(architecture="llama").fingerprint_view()
 # Settings that change how fast (or where) training runs, not what it learns: left out of the train fingerprint.
 # train.data is one of them: online and hybrid give the store run's losses (within 1e-5, tests/eagle3/test_online.py),
 # so the three name one train artifact.
@@ -168,6 +168,14 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         check_devices(self.devices, "train.devices")
+        if self.draft.method == "dflash":
+            one_process = self.num_processes in (1, "auto") and self.nnodes == 1
+            if self.data != "store" or not one_process or self.optimizer != "adamw":
+                setting = ("train.data" if self.data != "store" else "train.optimizer" if self.optimizer != "adamw"
+                           else "train.num_processes/train.nnodes")
+                raise ValueError(f"train.draft.method is 'dflash', which trains from the store in one process with "
+                                 f"AdamW so far, but {setting} asks otherwise; set train.data: store, "
+                                 "train.num_processes: 1, train.nnodes: 1 and train.optimizer: adamw (docs/dflash.md)")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
         if isinstance(self.tokens_per_step, int) and self.tokens_per_step < 1:

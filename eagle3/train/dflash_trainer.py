@@ -1,0 +1,245 @@
+"""Training a DFlash draft (train.draft.method: dflash; eagle3.draft.dflash) from the captured store.
+
+The same inputs as the EAGLE-3 trainer: the store's samples (token ids, loss mask, the target's states at the aux
+layers) and the target's embedding and lm_head (target_head). DFlash reads the aux states as its target_layer_ids
+(aux id a is the output of layer a - 1: eagle3.draft.dflash). Each optimizer step takes train.grad_accum samples
+in a seeded order (a new permutation per epoch), samples train.draft.anchors_per_sample random anchors in each
+(sample_blocks) and minimises the paper's decay-weighted cross-entropy (dflash_loss), with AdamW at lr_at(step)
+(train.learning_rate, warm-up, cosine) and gradients clipped to train.max_grad_norm.
+
+Every train.checkpoint_every steps (and at the last) a checkpoint folder `checkpoints/step-NNNNNN` holds the weights
+(draft.safetensors), the DFlash shape (dflash_config.json) and the optimizer (optimizer.pt); it appears whole or
+not at all. A killed run resumes from its last checkpoint and takes the same samples and anchors from there, since
+both follow from (train.seed, step). With a held-out store each checkpoint is scored there (evals.jsonl): the
+acceptance length a chain verifier gives a block, 1 + the drafted slots that match the data before the first miss,
+averaged over held-out blocks at fixed anchors. The data are the target's own answers (the regenerate stage), so
+this estimates what vLLM accepts; the served evaluation measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.artifacts import atomic_write_text, fsync_path
+from eagle3.capture.store import StoreReader
+from eagle3.draft.checkpoint import checkpoint_name
+from eagle3.draft.dflash import (
+    DFlashConfig,
+    DFlashDraft,
+    DFlashSettings,
+    block_logits,
+    dflash_loss,
+    init_dflash,
+    sample_blocks,
+)
+from eagle3.draft.settings import DraftSettings
+from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
+from eagle3.train.config import TrainConfig, TrainError, lr_at
+
+WEIGHTS, SHAPE, OPTIMIZER = "draft.safetensors", "dflash_config.json", "optimizer.pt"
+HELDOUT_SEED = 12345  # the held-out anchors: the same for every checkpoint
+
+
+def dflash_config_for(settings: DraftSettings, target_dir: Path, aux_layer_ids: list[int]) -> DFlashConfig:
+    """The DFlash draft's shape: the target's layers with train.draft's DFlash settings, reading the captured aux
+    layers (aux id a: the output of target layer a - 1)."""
+    if settings.mask_token_id is None:
+        raise TrainError("train.draft.mask_token_id is unset; the DFlash draft needs it (docs/dflash.md)")
+    if 0 in aux_layer_ids:
+        raise TrainError(f"the store's aux layers {aux_layer_ids} include 0 (the embedding), which DFlash cannot "
+                         "read (it fuses layer outputs); set extract.aux_layer_ids to layers >= 1")
+    dflash = DFlashSettings(block_size=settings.block_size, num_layers=settings.num_layers,
+                            mask_token_id=settings.mask_token_id, decay_gamma=settings.gamma())
+    try:
+        return DFlashConfig.from_target(read_target_config(target_dir), dflash, aux_layer_ids=list(aux_layer_ids))
+    except ValueError as err:
+        raise TrainError(str(err)) from None
+
+
+def load_dflash_checkpoint(path: Path) -> DFlashDraft:
+    """A checkpoint folder's draft, float32, eval mode."""
+    config = DFlashConfig.model_validate_json((path / SHAPE).read_text())
+    model = DFlashDraft(config)
+    model.load_state_dict(load_file(str(path / WEIGHTS)))
+    return model.eval()
+
+
+def is_dflash_checkpoint(path: Path) -> bool:
+    return (Path(path) / SHAPE).is_file()
+
+
+class _Samples:
+    """The store's samples as float32 tensors, read once (the DFlash trainer's data are the store's)."""
+
+    def __init__(self, store_dir: Path) -> None:
+        reader = StoreReader(store_dir)
+        self.aux_layer_ids = reader.aux_layer_ids
+        n = len(self.aux_layer_ids)
+        self.rows = [(s.input_ids.long(), s.loss_mask.bool(), s.hidden_states[:, :n].float()) for s in reader]
+        if not self.rows:
+            raise TrainError(f"the store {store_dir} holds no samples to train the DFlash draft on")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _sample_index(i: int, count: int, seed: int) -> int:
+    """The i-th sample drawn (0-based, across epochs): a seeded permutation per epoch."""
+    epoch, at = divmod(i, count)
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return int(order[at])
+
+
+def _blocks_for(row: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: DFlashConfig, anchors: int,
+                generator: torch.Generator, device: torch.device):  # noqa: ANN202 - (Blocks, aux)
+    ids, mask, aux = (t.to(device) for t in row)
+    blocks = sample_blocks(ids[None], mask[None], config, anchors, generator)  # one row: [1, A, ...]
+    return blocks, aux[None]  # aux [1, T, n, H]
+
+
+def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: list, anchors: int) -> dict:
+    """1 + the drafted slots matching the data before the first miss, over the held-out blocks (module docstring);
+    `per_position`: the share of blocks whose first k+1 slots all match."""
+    config, device = model.config, embed.device
+    leading: list[torch.Tensor] = []
+    with torch.no_grad():
+        for index, row in enumerate(rows):
+            blocks, aux = _blocks_for(row, config, anchors, torch.Generator().manual_seed(HELDOUT_SEED + index), device)
+            counted = blocks.weights[..., 0] > 0  # [1, A]: blocks whose first drafted slot is an answer token
+            if not counted.any():
+                continue
+            right = (block_logits(model, aux, embed, blocks).argmax(-1) == blocks.labels) & (blocks.weights > 0)
+            leading.append(right.long().cumprod(-1)[counted].cpu())  # [blocks, S-1]: 1 while every slot so far matched
+    if not leading:
+        return {"acceptance_length": 1.0, "per_position": [0.0] * (config.block_size - 1), "num_drafts": 0}
+    matched = torch.cat(leading).float()  # [blocks, S-1]
+    return {"acceptance_length": 1.0 + float(matched.sum(-1).mean()), "per_position": matched.mean(0).tolist(),
+            "num_drafts": int(matched.shape[0])}
+
+
+def _read_jsonl(path: Path, up_to: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:  # the half-written last line of a killed run
+            break
+    return [e for e in entries if e["step"] <= up_to]
+
+
+def _write_jsonl(path: Path, entries: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in entries))
+
+
+def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer, out_dir: Path, step: int) -> Path:
+    final = out_dir / "checkpoints" / checkpoint_name(step)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS),
+              metadata={"format": "pt"})
+    (tmp / SHAPE).write_text(model.config.model_dump_json(indent=1))
+    torch.save({"optimizer": optimizer.state_dict(), "step": step}, tmp / OPTIMIZER)
+    for path in (tmp / WEIGHTS, tmp / SHAPE, tmp / OPTIMIZER, tmp):
+        fsync_path(path)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def _latest(out_dir: Path) -> Path | None:
+    folders = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / OPTIMIZER).is_file())
+    return folders[-1] if folders else None
+
+
+def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head_path: Path, out_dir: Path,
+                 progress: Callable[..., None] | None = None, stop_after: int | None = None,
+                 heldout_store_dir: Path | None = None):  # noqa: ANN201 - eagle3.train.trainer.TrainResult
+    """Train (or resume) the DFlash draft; checkpoints, losses.jsonl and evals.jsonl under out_dir (module
+    docstring). `progress(step, steps, loss)` after every step; `stop_after` ends the call at that step, as an
+    interruption would (tests check resume with it)."""
+    from eagle3.train.trainer import EVALS, LOSSES, TrainResult, best_eval
+
+    started = time.monotonic()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = _Samples(Path(store_dir))
+    dconfig = dflash_config_for(config.draft, Path(target_dir), data.aux_layer_ids)
+    head: TargetHead = load_target_head(Path(head_path), read_target_config(Path(target_dir)))
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # train.devices' first GPU
+    embed = head.embed.float().to(device)
+    heldout = _Samples(Path(heldout_store_dir)).rows if heldout_store_dir is not None else None
+    model = DFlashDraft(dconfig)
+    init_dflash(model, head, seed=config.seed)
+    model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    step, resumed = 0, None
+    last = _latest(out_dir)
+    if last is not None:
+        saved = DFlashConfig.model_validate_json((last / SHAPE).read_text())
+        if saved != dconfig:
+            raise TrainError(f"{last} holds a DFlash draft of another shape ({saved}); this run's settings give "
+                             f"{dconfig}: delete {out_dir} to start over")
+        model.load_state_dict(load_file(str(last / WEIGHTS), device=str(device)))
+        state = torch.load(last / OPTIMIZER, weights_only=True, map_location=device)
+        optimizer.load_state_dict(state["optimizer"])
+        step = resumed = int(state["step"])
+    history, evals = _read_jsonl(out_dir / LOSSES, step), _read_jsonl(out_dir / EVALS, step)
+    _write_jsonl(out_dir / LOSSES, history)
+    _write_jsonl(out_dir / EVALS, evals)
+
+    def evaluate(at: int) -> None:
+        if heldout is not None and not any(e["step"] == at for e in evals):
+            model.eval()
+            evals.append({"step": at, "checkpoint": checkpoint_name(at)} | heldout_acceptance(
+                model, embed, heldout, config.draft.anchors_per_sample))
+            model.train()
+            _write_jsonl(out_dir / EVALS, evals)
+
+    if resumed is not None:
+        evaluate(resumed)  # killed between writing the checkpoint and scoring it
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
+    tokens_seen = sum(int(e.get("tokens", 0)) for e in history)
+    model.train()
+    while step < end:
+        lr = lr_at(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        total, tokens = 0.0, 0
+        for micro in range(config.grad_accum):
+            row = data.rows[_sample_index(step * config.grad_accum + micro, len(data), config.seed)]
+            generator = torch.Generator().manual_seed((config.seed + 1) * 7_919 + step * config.grad_accum + micro)
+            blocks, aux = _blocks_for(row, dconfig, config.draft.anchors_per_sample, generator, device)
+            loss = dflash_loss(block_logits(model, aux, embed, blocks), blocks) / config.grad_accum
+            loss.backward()
+            total += float(loss.detach())
+            tokens += int(row[0].numel())
+        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        optimizer.step()
+        step += 1
+        tokens_seen += tokens
+        entry = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "tokens_seen": tokens_seen}
+        history.append(entry)
+        with open(out_dir / LOSSES, "a") as losses:
+            losses.write(json.dumps(entry) + "\n")
+        if progress is not None:
+            progress(step, config.steps, total)
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            last = _save(model, optimizer, out_dir, step)
+            evaluate(step)
+    best = best_eval(evals) if config.select == "best" and evals else None
+    return TrainResult(checkpoint=last, steps_done=step, losses=[e["loss"] for e in history],
+                       tokens_seen=tokens_seen, seconds=time.monotonic() - started, resumed_from_step=resumed,
+                       best_checkpoint=out_dir / "checkpoints" / best["checkpoint"] if best else last, evals=evals)
