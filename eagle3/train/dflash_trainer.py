@@ -2,15 +2,16 @@
 
 The same inputs as the EAGLE-3 trainer: the store's samples (token ids, loss mask, the target's states at the aux
 layers) and the target's embedding and lm_head (target_head). DFlash reads the aux states as its target_layer_ids
-(aux id a is the output of layer a - 1: eagle3.draft.dflash). Each optimizer step takes train.grad_accum samples
-in a seeded order (a new permutation per epoch), samples train.draft.anchors_per_sample random anchors in each
+(aux id a is the output of layer a - 1: eagle3.draft.dflash). Each optimizer step takes train.grad_accum
+micro-batches of whole samples, each up to train.batch_tokens tokens (at least one sample), in a seeded order (a
+new permutation per epoch); it samples train.draft.anchors_per_sample random anchors in each sample
 (sample_blocks) and minimises the paper's decay-weighted cross-entropy (dflash_loss), with AdamW at lr_at(step)
 (train.learning_rate, warm-up, cosine) and gradients clipped to train.max_grad_norm.
 
 Every train.checkpoint_every steps (and at the last) a checkpoint folder `checkpoints/step-NNNNNN` holds the weights
 (draft.safetensors), the DFlash shape (dflash_config.json) and the optimizer (optimizer.pt); it appears whole or
 not at all. A killed run resumes from its last checkpoint and takes the same samples and anchors from there, since
-both follow from (train.seed, step). With a held-out store each checkpoint is scored there (evals.jsonl): the
+both follow from (train.seed, the samples drawn so far). With a held-out store each checkpoint is scored there (evals.jsonl): the
 acceptance length a chain verifier gives a block, 1 + the drafted slots that match the data before the first miss,
 averaged over held-out blocks at fixed anchors. The data are the target's own answers (the regenerate stage), so
 this estimates what vLLM accepts; the served evaluation measures it.
@@ -18,6 +19,7 @@ this estimates what vLLM accepts; the served evaluation measures it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -91,11 +93,15 @@ class _Samples:
         return len(self.rows)
 
 
+@functools.lru_cache(maxsize=4)
+def _order(count: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
 def _sample_index(i: int, count: int, seed: int) -> int:
     """The i-th sample drawn (0-based, across epochs): a seeded permutation per epoch."""
     epoch, at = divmod(i, count)
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return int(order[at])
+    return _order(count, seed, epoch)[at]
 
 
 def _blocks_for(row: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: DFlashConfig, anchors: int,
@@ -141,7 +147,7 @@ def _write_jsonl(path: Path, entries: list[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in entries))
 
 
-def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer, out_dir: Path, step: int) -> Path:
+def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer, out_dir: Path, step: int, drawn: int) -> Path:
     final = out_dir / "checkpoints" / checkpoint_name(step)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -149,7 +155,7 @@ def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer, out_dir: Path, s
     save_file({k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS),
               metadata={"format": "pt"})
     (tmp / SHAPE).write_text(model.config.model_dump_json(indent=1))
-    torch.save({"optimizer": optimizer.state_dict(), "step": step}, tmp / OPTIMIZER)
+    torch.save({"optimizer": optimizer.state_dict(), "step": step, "drawn": drawn}, tmp / OPTIMIZER)
     for path in (tmp / WEIGHTS, tmp / SHAPE, tmp / OPTIMIZER, tmp):
         fsync_path(path)
     shutil.rmtree(final, ignore_errors=True)
@@ -184,7 +190,7 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
-    step, resumed = 0, None
+    step, resumed, drawn = 0, None, 0  # drawn: samples taken so far (the data order's cursor)
     last = _latest(out_dir)
     if last is not None:
         saved = DFlashConfig.model_validate_json((last / SHAPE).read_text())
@@ -195,6 +201,7 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
         state = torch.load(last / OPTIMIZER, weights_only=True, map_location=device)
         optimizer.load_state_dict(state["optimizer"])
         step = resumed = int(state["step"])
+        drawn = int(state["drawn"])
     history, evals = _read_jsonl(out_dir / LOSSES, step), _read_jsonl(out_dir / EVALS, step)
     _write_jsonl(out_dir / LOSSES, history)
     _write_jsonl(out_dir / EVALS, evals)
@@ -217,12 +224,21 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+        draws = []  # the samples of this step: train.grad_accum micro-batches of up to train.batch_tokens each
+        for _ in range(config.grad_accum):
+            packed = 0
+            while True:
+                length = len(data.rows[_sample_index(drawn, len(data), config.seed)][0])
+                if packed and packed + length > config.batch_tokens:
+                    break
+                draws.append(drawn)
+                packed, drawn = packed + length, drawn + 1
         total, tokens = 0.0, 0
-        for micro in range(config.grad_accum):
-            row = data.rows[_sample_index(step * config.grad_accum + micro, len(data), config.seed)]
-            generator = torch.Generator().manual_seed((config.seed + 1) * 7_919 + step * config.grad_accum + micro)
+        for draw in draws:
+            row = data.rows[_sample_index(draw, len(data), config.seed)]
+            generator = torch.Generator().manual_seed((config.seed + 1) * 7_919 + draw)
             blocks, aux = _blocks_for(row, dconfig, config.draft.anchors_per_sample, generator, device)
-            loss = dflash_loss(block_logits(model, aux, embed, blocks), blocks) / config.grad_accum
+            loss = dflash_loss(block_logits(model, aux, embed, blocks), blocks) / len(draws)
             loss.backward()
             total += float(loss.detach())
             tokens += int(row[0].numel())
@@ -237,7 +253,7 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
         if progress is not None:
             progress(step, config.steps, total)
         if step % config.checkpoint_every == 0 or step == config.steps:
-            last = _save(model, optimizer, out_dir, step)
+            last = _save(model, optimizer, out_dir, step, drawn)
             evaluate(step)
     best = best_eval(evals) if config.select == "best" and evals else None
     return TrainResult(checkpoint=last, steps_done=step, losses=[e["loss"] for e in history],
