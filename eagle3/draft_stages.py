@@ -29,7 +29,7 @@ from eagle3.evaluate.plots import (ACCEPTANCE_PNG, LOSS_PNG, SWEEP_PNG, plot_acc
                                   plot_training_loss)
 from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
 from eagle3.evaluate.served_sweep import SweepReport, served_sweep
-from eagle3.draft.target_head import load_target_head, read_target_config
+from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 from eagle3.train.dflash_trainer import heldout_acceptance, is_dflash_checkpoint, load_dflash_checkpoint, train_dflash
 from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
@@ -385,8 +385,9 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
 DFLASH_EVAL_ANCHORS = 32  # held-out blocks scored per sample (fixed anchors, as in training's held-out scoring)
 
 
-def _evaluate_dflash(config: EvalConfig, exported: StageRecord, reader: StoreReader, head, prompts, sources,  # noqa: ANN001
-                     images, longest: int, info: TargetInfo, serving: ServingSetup, final: Path, fp: str,
+def _evaluate_dflash(config: EvalConfig, exported: StageRecord, reader: StoreReader, head: TargetHead,
+                     prompts: list[list[int]], sources: list[str | None], images: list, longest: int,
+                     info: TargetInfo, serving: ServingSetup, final: Path, fp: str,
                      bar: _EvalProgress) -> StageRecord:
     """run_evaluate for a DFlash export: (a) the held-out blocks' acceptance (eagle3.train.dflash_trainer); (b) vLLM
     serving it (method dflash, num_speculative_tokens = block_size - 1: a DFlash draft drafts its whole block, so
@@ -408,9 +409,9 @@ def _evaluate_dflash(config: EvalConfig, exported: StageRecord, reader: StoreRea
     positions = " | ".join(str(j) for j in range(1, k + 1))
     shares = " | ".join(f"{p:.3f}" for p in simulated["per_position"])
     parts = ["# Acceptance (DFlash draft)\n",
-             f"## (a) Held-out blocks\n\n**Acceptance length (held-out blocks): {simulated['acceptance_length']:.3f}** "
-             f"({simulated['num_drafts']} blocks of {k} drafted tokens: 1 + the drafted tokens that match the "
-             "held-out answer before the first miss, as a chain verifier accepts them)\n",
+             (f"## (a) Held-out blocks\n\n**Acceptance length (held-out blocks): {simulated['acceptance_length']:.3f}** "
+              f"({simulated['num_drafts']} blocks of {k} drafted tokens: 1 + the drafted tokens that match the "
+              "held-out answer before the first miss, as a chain verifier accepts them)\n"),
              f"| draft position | {positions} |\n|---|{'---|' * k}\n| all matched so far | {shares} |\n",
              "## (b) Served by vLLM (speculative decoding, method dflash)\n",
              served.to_markdown() if served is not None else "Not run (evaluate.served is off).\n"]

@@ -24,13 +24,13 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.artifacts import atomic_write_text, fsync_path
+from eagle3.artifacts import fsync_path
 from eagle3.capture.store import StoreReader
 from eagle3.draft.checkpoint import checkpoint_name
 from eagle3.draft.dflash import (
@@ -45,6 +45,14 @@ from eagle3.draft.dflash import (
 from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 from eagle3.train.config import TrainConfig, TrainError, lr_at
+from eagle3.train.trainer import (
+    EVALS,
+    LOSSES,
+    TrainResult,
+    _read_jsonl,
+    _write_jsonl,
+    best_eval,
+)
 
 WEIGHTS, SHAPE, OPTIMIZER = "draft.safetensors", "dflash_config.json", "optimizer.pt"
 HELDOUT_SEED = 12345  # the held-out anchors: the same for every checkpoint
@@ -105,7 +113,7 @@ def _sample_index(i: int, count: int, seed: int) -> int:
 
 
 def _blocks_for(row: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: DFlashConfig, anchors: int,
-                generator: torch.Generator, device: torch.device):  # noqa: ANN202 - (Blocks, aux)
+                generator: torch.Generator, device: torch.device):
     ids, mask, aux = (t.to(device) for t in row)
     blocks = sample_blocks(ids[None], mask[None], config, anchors, generator)  # one row: [1, A, ...]
     return blocks, aux[None]  # aux [1, T, n, H]
@@ -131,22 +139,6 @@ def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: list, anch
             "num_drafts": int(matched.shape[0])}
 
 
-def _read_jsonl(path: Path, up_to: int) -> list[dict]:
-    if not path.is_file():
-        return []
-    entries = []
-    for line in path.read_text().splitlines():
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:  # the half-written last line of a killed run
-            break
-    return [e for e in entries if e["step"] <= up_to]
-
-
-def _write_jsonl(path: Path, entries: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in entries))
-
-
 def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer, out_dir: Path, step: int, drawn: int) -> Path:
     final = out_dir / "checkpoints" / checkpoint_name(step)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
@@ -170,12 +162,10 @@ def _latest(out_dir: Path) -> Path | None:
 
 def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head_path: Path, out_dir: Path,
                  progress: Callable[..., None] | None = None, stop_after: int | None = None,
-                 heldout_store_dir: Path | None = None):  # noqa: ANN201 - eagle3.train.trainer.TrainResult
+                 heldout_store_dir: Path | None = None) -> TrainResult:
     """Train (or resume) the DFlash draft; checkpoints, losses.jsonl and evals.jsonl under out_dir (module
     docstring). `progress(step, steps, loss)` after every step; `stop_after` ends the call at that step, as an
     interruption would (tests check resume with it)."""
-    from eagle3.train.trainer import EVALS, LOSSES, TrainResult, best_eval
-
     started = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ def _artifact(run_dir: Path, stage: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dflash_run(tmp_path_factory, prefect_server, builtin_cache) -> Path:  # noqa: ANN001
+def dflash_run(tmp_path_factory, prefect_server, builtin_cache) -> Path:
     run_dir = tmp_path_factory.mktemp("dflash-run") / "run"
     env = os.environ | {"PREFECT_API_URL": prefect_server, "EAGLE3_CACHE_DIR": str(builtin_cache)}  # = cli_env
     out = run_cli(["run", *ARGS, "--run-dir", str(run_dir)], env)
