@@ -365,21 +365,29 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                           + ("\n" + sweep.to_markdown(plot=SWEEP_PNG) if sweep is not None else ""))
         stats = {"acceptance_length": round(report.acceptance_length, 4), "num_drafts": report.num_drafts,
                  "per_position": json.dumps([round(p, 4) for p in report.per_position])}
-        if served is not None:
-            stats |= {"served_acceptance_length": round(served.acceptance_length, 4),
-                      "served_identical_share": round(served.identical_share, 4),
-                      "served_near_ties": served.near_ties, "served_num_drafts": served.num_drafts,
-                      "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
-            if served.request_mean_acceptance_length is not None:
-                stats["served_request_mean_acceptance_length"] = round(served.request_mean_acceptance_length, 4)
-            if served.speedup is not None:
-                stats["served_speedup"] = round(served.speedup, 4)
+        stats |= _served_stats(served)
         if report.by_source:  # what the nightly gate compares per source
             stats["per_source"] = json.dumps({f.source: {"acceptance_length": round(f.simulated, 4), "walk": round(f.walk, 4),
                                                          "num_drafts": f.drafts, "served_acceptance_length":
                                                          None if f.served is None else round(f.served, 4)}
                                               for f in SourceFigures.from_payload(payload)})
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
+
+
+def _served_stats(served: ServedReport | None) -> dict[str, object]:
+    """The evaluate record's served figures (none when the served check did not run)."""
+    if served is None:
+        return {}
+    stats: dict[str, object] = {
+        "served_acceptance_length": round(served.acceptance_length, 4),
+        "served_identical_share": round(served.identical_share, 4), "served_near_ties": served.near_ties,
+        "served_num_drafts": served.num_drafts,
+        "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
+    if served.request_mean_acceptance_length is not None:
+        stats["served_request_mean_acceptance_length"] = round(served.request_mean_acceptance_length, 4)
+    if served.speedup is not None:
+        stats["served_speedup"] = round(served.speedup, 4)
+    return stats
 
 
 DFLASH_EVAL_ANCHORS = 32  # held-out blocks scored per sample (fixed anchors, as in training's held-out scoring)
@@ -425,13 +433,7 @@ def _evaluate_dflash(config: EvalConfig, exported: StageRecord, reader: StoreRea
         atomic_write_text(tmp / "acceptance.md", "\n".join(parts))
         stats = {"acceptance_length": round(simulated["acceptance_length"], 4), "num_drafts": simulated["num_drafts"],
                  "per_position": json.dumps([round(p, 4) for p in simulated["per_position"]]), "method": "dflash"}
-        if served is not None:
-            stats |= {"served_acceptance_length": round(served.acceptance_length, 4),
-                      "served_identical_share": round(served.identical_share, 4),
-                      "served_near_ties": served.near_ties, "served_num_drafts": served.num_drafts,
-                      "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
-            if served.speedup is not None:
-                stats["served_speedup"] = round(served.speedup, 4)
+        stats |= _served_stats(served)
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
 
 
