@@ -22,15 +22,16 @@ from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
 from eagle3.draft.architecture import read_text_config, resolve
 from eagle3.evaluate.acceptance import AcceptanceReport, EvalConfig, Progress, SourceFigures, simulate_acceptance
-from eagle3.draft.dflash_export import export_dflash, is_dflash, load_exported_dflash
+from eagle3.draft.dflash_export import export_dflash, is_dflash
 from eagle3.draft.export import export_draft
 from eagle3.train.launch import resolve_num_processes, train_distributed
 from eagle3.evaluate.plots import (ACCEPTANCE_PNG, LOSS_PNG, SWEEP_PNG, plot_acceptance, plot_served_sweep,
                                   plot_training_loss)
-from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, with_images
+from eagle3.evaluate.dflash_eval import evaluate_dflash
+from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, served_stats, with_images
 from eagle3.evaluate.served_sweep import SweepReport, served_sweep
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
-from eagle3.train.dflash_trainer import heldout_acceptance, is_dflash_checkpoint, load_dflash_checkpoint, train_dflash
+from eagle3.train.dflash_trainer import is_dflash_checkpoint, load_dflash_checkpoint, train_dflash
 from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 from eagle3.online.feed import GIB, OnlineConfig, OnlineData, OnlineDataError, OnlineSample, check_buffer, plan_text
@@ -125,8 +126,7 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
     if config.draft.method == "dflash":
         if init_from is not None:
             raise ValueError(f"train.draft.method is 'dflash', but this run starts from the exported draft {init_from} "
-                             "(the nightly warm start), which DFlash training does not take yet; set "
-                             "warm_start: false")
+                             "(the nightly warm start), which DFlash training does not take yet; set warm_start: false")
         with trainer_on_gpu(config.devices):
             result = train_dflash(config, store_dir=paths["store_dir"], target_dir=paths["target_dir"],
                                   head_path=paths["head_path"], out_dir=final, progress=progress,
@@ -339,8 +339,13 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
         prompts, images = _served_images(extracted, reader, rows, info.model_dir)
     bar = _EvalProgress(progress, len(reader) + 2 * len(prompts))
     if is_dflash(json.loads((exported.path / "config.json").read_text())):
-        return _evaluate_dflash(config, exported, reader, head, prompts, sources, images, longest, info, serving,
-                                final, fp, bar)
+        result = evaluate_dflash(config, exported.path, reader, head.embed, target_dir=Path(info.model_dir),
+                                 prompts=prompts, sources=sources, images=images, longest=longest, serving=serving,
+                                 on_simulated=bar.simulated, on_served=bar.served)
+        with building(final) as tmp:
+            atomic_write_text(tmp / "acceptance.json", json.dumps(result.payload(), indent=1))
+            atomic_write_text(tmp / "acceptance.md", result.markdown(bool(config.served_concurrency or config.served_k)))
+            return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=result.stats()))
     report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False,
                                  progress=bar.simulated)
     served = None
@@ -365,75 +370,12 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                           + ("\n" + sweep.to_markdown(plot=SWEEP_PNG) if sweep is not None else ""))
         stats = {"acceptance_length": round(report.acceptance_length, 4), "num_drafts": report.num_drafts,
                  "per_position": json.dumps([round(p, 4) for p in report.per_position])}
-        stats |= _served_stats(served)
+        stats |= served_stats(served)
         if report.by_source:  # what the nightly gate compares per source
             stats["per_source"] = json.dumps({f.source: {"acceptance_length": round(f.simulated, 4), "walk": round(f.walk, 4),
                                                          "num_drafts": f.drafts, "served_acceptance_length":
                                                          None if f.served is None else round(f.served, 4)}
                                               for f in SourceFigures.from_payload(payload)})
-        return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
-
-
-def _served_stats(served: ServedReport | None) -> dict[str, object]:
-    """The evaluate record's served figures (none when the served check did not run)."""
-    if served is None:
-        return {}
-    stats: dict[str, object] = {
-        "served_acceptance_length": round(served.acceptance_length, 4),
-        "served_identical_share": round(served.identical_share, 4), "served_near_ties": served.near_ties,
-        "served_num_drafts": served.num_drafts,
-        "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
-    if served.request_mean_acceptance_length is not None:
-        stats["served_request_mean_acceptance_length"] = round(served.request_mean_acceptance_length, 4)
-    if served.speedup is not None:
-        stats["served_speedup"] = round(served.speedup, 4)
-    return stats
-
-
-DFLASH_EVAL_ANCHORS = 32  # held-out blocks scored per sample (fixed anchors, as in training's held-out scoring)
-
-
-def _evaluate_dflash(config: EvalConfig, exported: StageRecord, reader: StoreReader, head: TargetHead,
-                     prompts: list[list[int]], sources: list[str | None], images: list, longest: int,
-                     info: TargetInfo, serving: ServingSetup, final: Path, fp: str,
-                     bar: _EvalProgress) -> StageRecord:
-    """run_evaluate for a DFlash export: (a) the held-out blocks' acceptance (eagle3.train.dflash_trainer); (b) vLLM
-    serving it (method dflash, num_speculative_tokens = block_size - 1: a DFlash draft drafts its whole block, so
-    eval.num_draft_tokens and the k of the sweep do not apply)."""
-    model = load_exported_dflash(exported.path)
-    n = len(reader.aux_layer_ids)
-    rows = [(s.input_ids.long(), s.loss_mask.bool(), s.hidden_states[:, :n].float()) for s in reader]
-    simulated = heldout_acceptance(model, head.embed.float(), rows, DFLASH_EVAL_ANCHORS)
-    bar.simulated(len(rows), len(rows), 0)
-    k = model.config.num_speculative_tokens
-    served = None
-    if config.served:
-        served = served_acceptance(
-            Path(info.model_dir), exported.path, prompts, num_draft_tokens=k,
-            max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
-            kv_cache_gib=config.served_kv_cache_gib, near_tie_gap=config.near_tie_logprob_gap, sources=sources,
-            images=images, longest_prompt=longest, setup=serving, speculative_method="dflash")
-        bar.served(served.generated_tokens)
-    positions = " | ".join(str(j) for j in range(1, k + 1))
-    shares = " | ".join(f"{p:.3f}" for p in simulated["per_position"])
-    parts = ["# Acceptance (DFlash draft)\n",
-             (f"## (a) Held-out blocks\n\n**Acceptance length (held-out blocks): {simulated['acceptance_length']:.3f}** "
-              f"({simulated['num_drafts']} blocks of {k} drafted tokens: 1 + the drafted tokens that match the "
-              "held-out answer before the first miss, as a chain verifier accepts them)\n"),
-             f"| draft position | {positions} |\n|---|{'---|' * k}\n| all matched so far | {shares} |\n",
-             "## (b) Served by vLLM (speculative decoding, method dflash)\n",
-             served.to_markdown() if served is not None else "Not run (evaluate.served is off).\n"]
-    if config.served_concurrency or config.served_k:
-        parts.append("The speed per concurrency and k (eval.served_concurrency, eval.served_k) is measured for "
-                     "EAGLE-3 drafts only so far: a DFlash draft drafts its whole block (k = block_size - 1).\n")
-    with building(final) as tmp:
-        payload = {"simulated": simulated | {"method": "dflash", "num_speculative_tokens": k},
-                   "served": served.to_dict() if served is not None else None, "plots": []}
-        atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
-        atomic_write_text(tmp / "acceptance.md", "\n".join(parts))
-        stats = {"acceptance_length": round(simulated["acceptance_length"], 4), "num_drafts": simulated["num_drafts"],
-                 "per_position": json.dumps([round(p, 4) for p in simulated["per_position"]]), "method": "dflash"}
-        stats |= _served_stats(served)
         return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=stats))
 
 

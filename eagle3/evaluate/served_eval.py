@@ -43,6 +43,7 @@ gives no per-request counters gives no per-source served figure (the report says
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -440,3 +441,19 @@ def build_report(
         request_sources=list(sources) if any(sources) else [],
         prompt_tokens=sum(o.prompt_tokens for o in ref),
     )
+
+
+def served_stats(served: ServedReport | None) -> dict[str, object]:
+    """The evaluate record's served figures (none when the served check did not run)."""
+    if served is None:
+        return {}
+    stats: dict[str, object] = {
+        "served_acceptance_length": round(served.acceptance_length, 4),
+        "served_identical_share": round(served.identical_share, 4), "served_near_ties": served.near_ties,
+        "served_num_drafts": served.num_drafts,
+        "served_per_position": json.dumps([round(p, 4) for p in served.per_position])}
+    if served.request_mean_acceptance_length is not None:
+        stats["served_request_mean_acceptance_length"] = round(served.request_mean_acceptance_length, 4)
+    if served.speedup is not None:
+        stats["served_speedup"] = round(served.speedup, 4)
+    return stats

@@ -40,10 +40,10 @@ from eagle3.draft.dflash import (
     block_logits,
     dflash_loss,
     init_dflash,
-    sample_blocks,
 )
 from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
+from eagle3.evaluate.dflash_eval import blocks_for, heldout_acceptance
 from eagle3.train.config import TrainConfig, TrainError, lr_at
 from eagle3.train.trainer import (
     EVALS,
@@ -55,7 +55,6 @@ from eagle3.train.trainer import (
 )
 
 WEIGHTS, SHAPE, OPTIMIZER = "draft.safetensors", "dflash_config.json", "optimizer.pt"
-HELDOUT_SEED = 12345  # the held-out anchors: the same for every checkpoint
 
 
 def dflash_config_for(settings: DraftSettings, target_dir: Path, aux_layer_ids: list[int]) -> DFlashConfig:
@@ -110,33 +109,6 @@ def _sample_index(i: int, count: int, seed: int) -> int:
     """The i-th sample drawn (0-based, across epochs): a seeded permutation per epoch."""
     epoch, at = divmod(i, count)
     return _order(count, seed, epoch)[at]
-
-
-def _blocks_for(row: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: DFlashConfig, anchors: int,
-                generator: torch.Generator, device: torch.device):
-    ids, mask, aux = (t.to(device) for t in row)
-    blocks = sample_blocks(ids[None], mask[None], config, anchors, generator)  # one row: [1, A, ...]
-    return blocks, aux[None]  # aux [1, T, n, H]
-
-
-def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: list, anchors: int) -> dict:
-    """1 + the drafted slots matching the data before the first miss, over the held-out blocks (module docstring);
-    `per_position`: the share of blocks whose first k+1 slots all match."""
-    config, device = model.config, embed.device
-    leading: list[torch.Tensor] = []
-    with torch.no_grad():
-        for index, row in enumerate(rows):
-            blocks, aux = _blocks_for(row, config, anchors, torch.Generator().manual_seed(HELDOUT_SEED + index), device)
-            counted = blocks.weights[..., 0] > 0  # [1, A]: blocks whose first drafted slot is an answer token
-            if not counted.any():
-                continue
-            right = (block_logits(model, aux, embed, blocks).argmax(-1) == blocks.labels) & (blocks.weights > 0)
-            leading.append(right.long().cumprod(-1)[counted].cpu())  # [blocks, S-1]: 1 while every slot so far matched
-    if not leading:
-        return {"acceptance_length": 1.0, "per_position": [0.0] * (config.block_size - 1), "num_drafts": 0}
-    matched = torch.cat(leading).float()  # [blocks, S-1]
-    return {"acceptance_length": 1.0 + float(matched.sum(-1).mean()), "per_position": matched.mean(0).tolist(),
-            "num_drafts": int(matched.shape[0])}
 
 
 def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer, out_dir: Path, step: int, drawn: int) -> Path:
@@ -227,7 +199,7 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
         for draw in draws:
             row = data.rows[_sample_index(draw, len(data), config.seed)]
             generator = torch.Generator().manual_seed((config.seed + 1) * 7_919 + draw)
-            blocks, aux = _blocks_for(row, dconfig, config.draft.anchors_per_sample, generator, device)
+            blocks, aux = blocks_for(row, dconfig, config.draft.anchors_per_sample, generator, device)
             loss = dflash_loss(block_logits(model, aux, embed, blocks), blocks) / len(draws)
             loss.backward()
             total += float(loss.detach())
