@@ -43,7 +43,7 @@ from eagle3.draft.dflash import (
 )
 from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
-from eagle3.evaluate.dflash_eval import blocks_for, heldout_acceptance
+from eagle3.evaluate.dflash_eval import blocks_for, heldout_acceptance, store_rows
 from eagle3.train.config import TrainConfig, TrainError, lr_at
 from eagle3.train.trainer import (
     EVALS,
@@ -91,8 +91,7 @@ class _Samples:
     def __init__(self, store_dir: Path) -> None:
         reader = StoreReader(store_dir)
         self.aux_layer_ids = reader.aux_layer_ids
-        n = len(self.aux_layer_ids)
-        self.rows = [(s.input_ids.long(), s.loss_mask.bool(), s.hidden_states[:, :n].float()) for s in reader]
+        self.rows = store_rows(reader)
         if not self.rows:
             raise TrainError(f"the store {store_dir} holds no samples to train the DFlash draft on")
 
