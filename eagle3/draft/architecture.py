@@ -54,11 +54,6 @@ def resolve(settings: DraftSettings, text: dict | None, where: str = "the target
             f"train.draft.method='dflash' takes the target's attention shape, and vLLM's DFlash draft has GQA layers "
             f"only, but {where} (model_type {text.get('model_type')!r}) runs MLA attention; set train.draft.method: "
             "eagle3 (its MLA draft serves beside this target)")
-    if settings.method == "dflash" and text.get("vocab_size") is not None and settings.mask_token_id is not None \
-            and settings.mask_token_id >= int(text["vocab_size"]):
-        raise DraftArchitectureError(
-            f"train.draft.mask_token_id is {settings.mask_token_id}; expected an id below {where}'s vocab_size "
-            f"{text['vocab_size']}")
     if settings.architecture == "deepseek_mla" and not mla:
         raise DraftArchitectureError(
             f"train.draft.architecture='deepseek_mla' needs an MLA target (a config with kv_lora_rank: DeepSeek-V2/V3, "
