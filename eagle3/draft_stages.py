@@ -29,7 +29,7 @@ from eagle3.evaluate.plots import (ACCEPTANCE_PNG, LOSS_PNG, SWEEP_PNG, plot_acc
                                   plot_training_loss)
 from eagle3.evaluate.dflash_eval import evaluate_dflash
 from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, served_stats, with_images
-from eagle3.evaluate.served_sweep import SweepReport, served_sweep
+from eagle3.evaluate.served_sweep import configured_sweep
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 from eagle3.train.dflash_trainer import is_dflash_checkpoint, load_dflash_checkpoint, train_dflash
 from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
@@ -343,8 +343,11 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
                                  prompts=prompts, sources=sources, images=images, longest=longest, serving=serving,
                                  on_simulated=bar.simulated, on_served=bar.served)
         with building(final) as tmp:
-            atomic_write_text(tmp / "acceptance.json", json.dumps(result.payload(), indent=1))
-            atomic_write_text(tmp / "acceptance.md", result.markdown(bool(config.served_concurrency or config.served_k)))
+            payload = result.payload()
+            if result.sweep is not None:
+                payload["plots"] = [plot_served_sweep(payload["served_sweep"]["rows"], tmp / SWEEP_PNG).name]
+            atomic_write_text(tmp / "acceptance.json", json.dumps(payload, indent=1))
+            atomic_write_text(tmp / "acceptance.md", result.markdown(served_k_set=bool(config.served_k)))
             return mark_complete(tmp, StageRecord(stage="evaluate", uri=str(final), fingerprint=fp, stats=result.stats()))
     report = simulate_acceptance(exported.path, heldout, head, num_draft_tokens=config.num_draft_tokens, verify=False,
                                  progress=bar.simulated)
@@ -357,7 +360,7 @@ def run_evaluate(config: EvalConfig, target: StageRecord, exported: StageRecord,
             images=images, longest_prompt=longest, setup=serving,
         )
         bar.served(served.generated_tokens)
-    sweep = _served_sweep(config, Path(info.model_dir), exported.path, prompts, images, serving) if config.served else None
+    sweep = configured_sweep(config, Path(info.model_dir), exported.path, prompts, images, serving) if config.served else None
     with building(final) as tmp:
         plots = _plots(tmp, exported, report, served)
         payload = {"simulated": report.to_dict(), "served": served.to_dict() if served is not None else None, "plots": plots}
@@ -383,21 +386,6 @@ def serving_setup(target: TargetConfig, cache_root: Path) -> ServingSetup:
     """How the served evaluation's engines run for this target: at target.tensor_parallel_size, with vLLM's compiled
     graphs kept under the cache root (`cache_dir`, else $EAGLE3_CACHE_DIR) so that later loads skip compiling."""
     return ServingSetup(tensor_parallel_size=target.tensor_parallel_size, cache_dir=str(cache_root / "vllm"))
-
-
-def _served_sweep(config: EvalConfig, target_dir: Path, export_dir: Path, prompts: list[list[int]],
-                  images: list[list[str]], serving: ServingSetup) -> SweepReport | None:
-    """The served sweep (eagle3.evaluate.served_sweep) when eval.served_concurrency or eval.served_k is set; else None."""
-    if not config.served_concurrency and not config.served_k:
-        return None
-    if any(images):
-        raise ValueError("eval.served_concurrency / eval.served_k: the served sweep sends text prompts only, and these "
-                         "held-out prompts hold images; expected text-only held-out data, or leave both settings empty")
-    report, _ = served_sweep(target_dir, export_dir, prompts, ks=config.served_k or [config.num_draft_tokens],
-                             concurrencies=config.served_concurrency or [len(prompts)],
-                             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
-                             kv_cache_gib=config.served_kv_cache_gib, setup=serving)
-    return report
 
 
 def _served_images(extracted: StageRecord, reader: StoreReader, rows: list[tuple[int, list[int]]],

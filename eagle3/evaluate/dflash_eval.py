@@ -8,7 +8,8 @@ target's own answers (the regenerate stage), so this estimates what vLLM accepts
 the demo's data the two agreed within 0.01: benchmarks/results/dflash-vs-eagle3-cpu-2026-12-06.txt). The train stage
 scores its checkpoints with it; the evaluate stage reports it beside vLLM serving the export with method dflash and
 num_speculative_tokens = block_size - 1 (a DFlash draft drafts its whole block, so eval.num_draft_tokens and the
-sweep's k do not apply).
+sweep's eval.served_k do not apply), and with eval.served_concurrency or eval.served_k set, the served sweep
+(eagle3.evaluate.served_sweep) at that one k.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from eagle3.draft.dflash import (
 )
 from eagle3.draft.dflash_export import load_exported_dflash
 from eagle3.evaluate.acceptance import EvalConfig
+from eagle3.evaluate.plots import SWEEP_PNG
 from eagle3.evaluate.served_eval import ServedReport, served_acceptance, served_stats
+from eagle3.evaluate.served_sweep import SweepReport, configured_sweep
 
 HELDOUT_SEED = 12345  # the held-out anchors: the same for every checkpoint and for the evaluation
 EVAL_ANCHORS = 32  # held-out blocks the evaluate stage scores per sample
@@ -80,14 +83,18 @@ class DFlashEvaluation:
     simulated: dict  # heldout_acceptance's figures
     served: ServedReport | None
     num_speculative_tokens: int
+    sweep: SweepReport | None = None  # the served sweep at k = num_speculative_tokens (eval.served_concurrency)
 
     def payload(self) -> dict:
-        """acceptance.json."""
-        return {"simulated": self.simulated | {"method": "dflash", "num_speculative_tokens": self.num_speculative_tokens},
-                "served": self.served.to_dict() if self.served is not None else None, "plots": []}
+        """acceptance.json (its "plots" empty: the evaluate stage lists the sweep's plot when it writes it)."""
+        out = {"simulated": self.simulated | {"method": "dflash", "num_speculative_tokens": self.num_speculative_tokens},
+               "served": self.served.to_dict() if self.served is not None else None, "plots": []}
+        if self.sweep is not None:
+            out["served_sweep"] = self.sweep.to_dict()
+        return out
 
-    def markdown(self, sweep_asked: bool) -> str:
-        """acceptance.md; `sweep_asked`: eval.served_concurrency or eval.served_k is set (then it says why no sweep)."""
+    def markdown(self, served_k_set: bool = False) -> str:
+        """acceptance.md; `served_k_set`: eval.served_k is set (then it says why the sweep ran at one k only)."""
         k, simulated = self.num_speculative_tokens, self.simulated
         positions = " | ".join(str(j) for j in range(1, k + 1))
         shares = " | ".join(f"{p:.3f}" for p in simulated["per_position"])
@@ -99,9 +106,11 @@ class DFlashEvaluation:
                  f"| draft position | {positions} |\n|---|{'---|' * k}\n| all matched so far | {shares} |\n",
                  "## (b) Served by vLLM (speculative decoding, method dflash)\n",
                  self.served.to_markdown() if self.served is not None else "Not run (evaluate.served is off).\n"]
-        if sweep_asked:
-            parts.append("The speed per concurrency and k (eval.served_concurrency, eval.served_k) is measured for "
-                         "EAGLE-3 drafts only so far: a DFlash draft drafts its whole block (k = block_size - 1).\n")
+        if self.sweep is not None:
+            parts.append(self.sweep.to_markdown(plot=SWEEP_PNG))
+            if served_k_set:
+                parts.append(f"eval.served_k does not apply to a DFlash draft: it drafts its whole block, so the sweep "
+                             f"measured k = block_size - 1 = {k} only.\n")
         return "\n".join(parts)
 
     def stats(self) -> dict[str, object]:
@@ -117,7 +126,8 @@ def evaluate_dflash(config: EvalConfig, export_dir: Path, reader: StoreReader, e
                     images: Sequence[Sequence[str]], longest: int, serving: ServingSetup,
                     on_simulated: Callable[[int, int, int], None], on_served: Callable[[int], None]) -> DFlashEvaluation:
     """(a) the held-out blocks of `reader` (the held-out store); (b) with eval.served, vLLM serving the export beside
-    the target on `prompts` (as served_acceptance does for EAGLE-3, with method dflash)."""
+    the target on `prompts` (as served_acceptance does for EAGLE-3, with method dflash), and with
+    eval.served_concurrency or eval.served_k set, the served sweep at the draft's one k (its block_size - 1)."""
     model = load_exported_dflash(export_dir)
     rows = store_rows(reader)
     simulated = heldout_acceptance(model, embed.float(), rows, EVAL_ANCHORS)
@@ -131,4 +141,6 @@ def evaluate_dflash(config: EvalConfig, export_dir: Path, reader: StoreReader, e
             near_tie_gap=config.near_tie_logprob_gap, sources=sources, images=images, longest_prompt=longest,
             setup=serving, speculative_method="dflash")
         on_served(served.generated_tokens)
-    return DFlashEvaluation(simulated, served, k)
+    sweep = configured_sweep(config, target_dir, export_dir, prompts, images, serving, method="dflash",
+                             ks=[k]) if config.served else None
+    return DFlashEvaluation(simulated, served, k, sweep)

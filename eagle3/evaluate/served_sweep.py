@@ -9,6 +9,9 @@ engine per concurrency (an engine load each); waves measure every concurrency on
 Each (k, c) row holds the acceptance length (vLLM's pooled counters over the row's waves), tokens/s with and without
 the draft (generated tokens over generation seconds, loads excluded) and their ratio, the speedup. For each c the
 recommendation is the k of the fastest row, when it beats the target alone; else to serve without the draft.
+
+The same sweep serves a DFlash export (method "dflash"): a DFlash draft drafts its whole block, so its only k is
+block_size - 1 (eagle3.evaluate.dflash_eval); the rows then compare that k with the target alone per concurrency.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3.capture import vllm_adapter
+from eagle3.evaluate.acceptance import EvalConfig
 
 
 @dataclass(frozen=True)
@@ -56,19 +60,21 @@ class SweepReport:
     rows: list[SweepRow]
     # how each engine ran and how long it took to load: "target" (no draft) and "k=N" (empty: not recorded)
     engines: dict[str, vllm_adapter.EngineMode] = field(default_factory=dict)
+    method: str = "eagle3"  # vLLM's speculative method for the draft: "eagle3", or "dflash" for a DFlash export
 
     def recommendations(self) -> list[Recommendation]:
         out = []
         for c in sorted({r.concurrency for r in self.rows}):
             best = max((r for r in self.rows if r.concurrency == c), key=lambda r: (r.speedup, -r.k))
             k = best.k if best.speedup > 1.0 else None
-            out.append(Recommendation(c, k, best.speedup, None if k is None else speculative_config(self.export_dir, k)))
+            pasted = None if k is None else speculative_config(self.export_dir, k, self.method)
+            out.append(Recommendation(c, k, best.speedup, pasted))
         return out
 
     def to_dict(self) -> dict[str, object]:
         return {"rows": [asdict(r) | {"speedup": r.speedup} for r in self.rows],
                 "recommendation": [asdict(r) for r in self.recommendations()],
-                "engines": {name: asdict(mode) for name, mode in self.engines.items()}}
+                "engines": {name: asdict(mode) for name, mode in self.engines.items()}, "method": self.method}
 
     def to_markdown(self, plot: str | None = None) -> str:
         """The rows as a table, `plot` (a PNG beside acceptance.md) under it, then the recommendation per concurrency."""
@@ -94,9 +100,9 @@ class SweepReport:
         return "\n".join(lines) + "\n"
 
 
-def speculative_config(export_dir: str, k: int) -> str:
-    """The `vllm serve --speculative-config` value serving the exported draft at k draft tokens."""
-    return json.dumps({"method": "eagle3", "model": export_dir, "num_speculative_tokens": k})
+def speculative_config(export_dir: str, k: int, method: str = "eagle3") -> str:
+    """The `vllm serve --speculative-config` value serving the exported draft at k draft tokens with `method`."""
+    return json.dumps({"method": method, "model": export_dir, "num_speculative_tokens": k})
 
 
 def waves(prompts: Sequence[Sequence[int]], concurrency: int) -> list[list[list[int]]]:
@@ -118,10 +124,11 @@ def _measure(llm, prompts: Sequence[Sequence[int]], concurrency: int,
 
 def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *, ks: Sequence[int],
                  concurrencies: Sequence[int], max_new_tokens: int, dtype: str = "auto",
-                 kv_cache_gib: float = 1.0,
-                 setup: vllm_adapter.ServingSetup = vllm_adapter.ServingSetup()) -> tuple[SweepReport, dict[int, int]]:
+                 kv_cache_gib: float = 1.0, setup: vllm_adapter.ServingSetup = vllm_adapter.ServingSetup(),
+                 method: str = "eagle3") -> tuple[SweepReport, dict[int, int]]:
     """Load the target without the draft, then with it at each k, and measure every concurrency on each engine
-    (len(ks) + 1 loads). Returns the report and, per k, how many outputs differ from the target's greedy ones."""
+    (len(ks) + 1 loads). Returns the report and, per k, how many outputs differ from the target's greedy ones.
+    `method`: vLLM's speculative method for `export_dir` ("dflash" for a DFlash export)."""
     if not prompts:
         raise ValueError("no held-out prompts to serve; raise data.heldout_fraction or evaluate.served_max_prompts")
     max_model_len = max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1
@@ -144,7 +151,7 @@ def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *
     reference = run()
     rows, changed = [], {}
     for k in ks:
-        measured = run(speculative_dir=str(export_dir), num_speculative_tokens=k)
+        measured = run(speculative_dir=str(export_dir), num_speculative_tokens=k, speculative_method=method)
         changed[k] = 0
         for c in concurrencies:
             spec, seconds, counters = measured[c]
@@ -154,4 +161,22 @@ def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *
             rate_ref = sum(len(o.token_ids) for o in ref) / seconds_ref if seconds_ref > 0 else 0.0
             drafts = counters.drafts
             rows.append(SweepRow(k, c, 1.0 + counters.accepted_tokens / drafts if drafts else 1.0, rate, rate_ref))
-    return SweepReport(str(export_dir), rows, engines), changed
+    return SweepReport(str(export_dir), rows, engines, method), changed
+
+
+def configured_sweep(config: EvalConfig, target_dir: Path, export_dir: Path, prompts: list[list[int]],
+                     images: Sequence[Sequence[str]], serving: vllm_adapter.ServingSetup, *, method: str = "eagle3",
+                     ks: Sequence[int] | None = None) -> SweepReport | None:
+    """The sweep the evaluate stage runs when eval.served_concurrency or eval.served_k is set; else None.
+    `ks`: the k to try, when the draft fixes them (a DFlash draft: [block_size - 1]); else eval.served_k, or
+    [eval.num_draft_tokens] when that is empty. `images`: the prompts' image URLs (the sweep sends text only)."""
+    if not config.served_concurrency and not config.served_k:
+        return None
+    if any(images):
+        raise ValueError("eval.served_concurrency / eval.served_k: the served sweep sends text prompts only, and these "
+                         "held-out prompts hold images; expected text-only held-out data, or leave both settings empty")
+    report, _ = served_sweep(target_dir, export_dir, prompts, ks=ks or config.served_k or [config.num_draft_tokens],
+                             concurrencies=config.served_concurrency or [len(prompts)],
+                             max_new_tokens=config.served_max_new_tokens, dtype=config.served_dtype,
+                             kv_cache_gib=config.served_kv_cache_gib, setup=serving, method=method)
+    return report

@@ -10,13 +10,17 @@ import torch
 from pydantic import ValidationError
 
 from eagle3.capture.store import StoreReader
+from eagle3.capture.vllm_adapter import ServingSetup
 from eagle3.draft.export import export_draft
+from eagle3.evaluate import served_sweep as sweep_module
 from eagle3.evaluate.acceptance import EvalConfig
+from eagle3.evaluate.dflash_eval import DFlashEvaluation
 from eagle3.evaluate.plots import SWEEP_PNG, plot_served_sweep
 from eagle3.evaluate.served_eval import heldout_prompts
 from eagle3.evaluate.served_sweep import (
     SweepReport,
     SweepRow,
+    configured_sweep,
     served_sweep,
     speculative_config,
     waves,
@@ -82,6 +86,62 @@ def test_the_sweep_plot_is_written_from_the_rows_and_shown_in_the_report(tmp_pat
     with pytest.raises(ValueError, match="no served sweep rows"):
         plot_served_sweep([], tmp_path / "empty.png")
     assert not (tmp_path / "empty.png").exists()
+
+
+def test_a_dflash_sweep_recommends_method_dflash_at_its_k_and_eagle3_is_unchanged():
+    rows = _rows({(3, 1): 150.0, (3, 8): 300.0}, {1: 100.0, 8: 400.0})
+    dflash = SweepReport(EXPORT, rows, method="dflash")
+    [at_1, at_8] = dflash.recommendations()
+    assert json.loads(at_1.speculative_config) == {"method": "dflash", "model": EXPORT, "num_speculative_tokens": 3}
+    assert (at_8.k, at_8.speculative_config) == (None, None)
+    assert f"concurrency 1: k=3 (1.50x): `--speculative-config '{at_1.speculative_config}'`" in dflash.to_markdown()
+    assert dflash.to_dict()["method"] == "dflash"
+    assert dflash.to_dict()["recommendation"][0]["speculative_config"] == speculative_config(EXPORT, 3, "dflash")
+    # EAGLE-3 (the default): the string pasted after --speculative-config is what it always was
+    eagle3 = SweepReport(EXPORT, rows)
+    expected = '{"method": "eagle3", "model": "/runs/export", "num_speculative_tokens": 3}'
+    assert speculative_config(EXPORT, 3) == expected == eagle3.recommendations()[0].speculative_config
+    assert eagle3.to_markdown() == dflash.to_markdown().replace('"dflash"', '"eagle3"')
+    assert eagle3.to_dict()["method"] == "eagle3"
+
+
+def test_the_configured_sweep_takes_k_and_concurrency_from_the_settings_and_dflash_its_one_k(monkeypatch):
+    calls: list[dict] = []
+
+    def fake_sweep(target_dir, export_dir, prompts, **kwargs):
+        calls.append(kwargs)
+        return SweepReport(str(export_dir), [], method=kwargs["method"]), {}
+
+    monkeypatch.setattr(sweep_module, "served_sweep", fake_sweep)
+    prompts, text_only, setup = [[1, 2], [3, 4], [5]], [[], [], []], ServingSetup()
+
+    def run(config: EvalConfig, **kwargs: object) -> SweepReport | None:
+        return configured_sweep(config, EXPORT, EXPORT, prompts, text_only, setup, **kwargs)
+
+    assert run(EvalConfig()) is None and calls == []  # neither list set: no sweep, no engine load
+    run(EvalConfig(served_concurrency=[1, 8]))
+    assert (calls[-1]["ks"], calls[-1]["concurrencies"], calls[-1]["method"]) == ([3], [1, 8], "eagle3")
+    run(EvalConfig(served_k=[1, 2]))
+    assert (calls[-1]["ks"], calls[-1]["concurrencies"]) == ([1, 2], [3])  # all the prompts at once
+    made = run(EvalConfig(served_concurrency=[1], served_k=[1, 2]), method="dflash", ks=[7])
+    assert (calls[-1]["ks"], calls[-1]["method"], made.method) == ([7], "dflash", "dflash")  # its block, not served_k
+    with pytest.raises(ValueError, match="sends text prompts only"):
+        configured_sweep(EvalConfig(served_k=[1]), EXPORT, EXPORT, prompts, [[], ["a.png"], []], setup)
+
+
+def test_a_dflash_evaluation_reports_the_sweep_in_place_of_the_eagle3_only_note():
+    simulated = {"acceptance_length": 2.0, "per_position": [0.6, 0.3, 0.1], "num_drafts": 10}
+    sweep = SweepReport(EXPORT, _rows({(3, 1): 150.0, (3, 4): 280.0}, {1: 100.0, 4: 300.0}), method="dflash")
+    evaluation = DFlashEvaluation(simulated, None, 3, sweep)
+    text = evaluation.markdown()
+    assert "EAGLE-3 drafts only" not in text and "eval.served_k does not apply" not in text
+    assert sweep.to_markdown(plot=SWEEP_PNG) in text
+    assert f"`--speculative-config '{speculative_config(EXPORT, 3, 'dflash')}'`" in text
+    assert "eval.served_k does not apply to a DFlash draft" in evaluation.markdown(served_k_set=True)
+    payload = evaluation.payload()
+    assert payload["served_sweep"] == sweep.to_dict() and payload["served_sweep"]["method"] == "dflash"
+    without = DFlashEvaluation(simulated, None, 3)
+    assert "served_sweep" not in without.payload() and "Speed per concurrency" not in without.markdown(True)
 
 
 def test_waves_split_the_prompts_into_groups_of_the_concurrency():
