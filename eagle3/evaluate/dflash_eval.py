@@ -23,6 +23,7 @@ import torch
 
 from eagle3.capture.store import StoreReader
 from eagle3.capture.vllm_adapter import ServingSetup
+from eagle3.draft.batches import shard_header
 from eagle3.draft.dflash import (
     Blocks,
     DFlashConfig,
@@ -49,7 +50,7 @@ def blocks_for(row: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: DFl
     return blocks, aux[None]  # aux [1, T, n, H]
 
 
-def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: list, anchors: int) -> dict:
+def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: Sequence, anchors: int) -> dict:
     """1 + the drafted slots matching the data before the first miss, over the held-out blocks (module docstring);
     `per_position`: the share of blocks whose first k+1 slots all match. `rows`: (token ids, loss mask, aux states)
     per sample; the anchors are the same for every call."""
@@ -70,10 +71,25 @@ def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: list, anch
             "num_drafts": int(matched.shape[0])}
 
 
-def store_rows(reader: StoreReader) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Every sample of a store as (token ids, loss mask, aux states float32 [T, n, H])."""
-    n = len(reader.aux_layer_ids)
-    return [(s.input_ids.long(), s.loss_mask.bool(), s.hidden_states[:, :n].float()) for s in reader]
+class StoreRows(Sequence):
+    """A store's samples as (token ids, loss mask, aux states float32 [T, n, H]), each read from its shard when asked
+    for: nothing is held in memory (a store of an 8B target is tens of GB in float32). `lengths` (tokens per sample)
+    come from the shards' headers. The reader has verified every shard's checksum when it opened the store."""
+
+    def __init__(self, reader: StoreReader) -> None:
+        self.reader = reader
+        self.lengths = [shard_header(str(reader.root / e.file))[1][f"{j}.input_ids"]["shape"][0]
+                        for e in reader.shards for j in range(len(e.sample_ids))]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 (Sequence's int and slice forms)
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        sample = self.reader[i]
+        n = len(self.reader.aux_layer_ids)
+        return sample.input_ids.long(), sample.loss_mask.bool(), sample.hidden_states[:, :n].float()
 
 
 @dataclass(frozen=True)
@@ -129,7 +145,7 @@ def evaluate_dflash(config: EvalConfig, export_dir: Path, reader: StoreReader, e
     the target on `prompts` (as served_acceptance does for EAGLE-3, with method dflash), and with
     eval.served_concurrency or eval.served_k set, the served sweep at the draft's one k (its block_size - 1)."""
     model = load_exported_dflash(export_dir)
-    rows = store_rows(reader)
+    rows = StoreRows(reader)
     simulated = heldout_acceptance(model, embed.float(), rows, EVAL_ANCHORS)
     on_simulated(len(rows), len(rows), 0)
     k = model.config.num_speculative_tokens

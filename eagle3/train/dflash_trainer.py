@@ -6,7 +6,8 @@ layers) and the target's embedding and lm_head (target_head). DFlash reads the a
 micro-batches of whole samples, each up to train.batch_tokens tokens (at least one sample), in a seeded order (a
 new permutation per epoch); it samples train.draft.anchors_per_sample random anchors in each sample
 (sample_blocks) and minimises the paper's decay-weighted cross-entropy (dflash_loss), with AdamW at lr_at(step)
-(train.learning_rate, warm-up, cosine) and gradients clipped to train.max_grad_norm.
+(train.learning_rate, warm-up, cosine) and gradients clipped to train.max_grad_norm. Each sample is read from its
+shard when drawn (dflash_eval.StoreRows), so memory does not grow with the store.
 
 Every train.checkpoint_every steps (and at the last) a checkpoint folder `checkpoints/step-NNNNNN` holds the weights
 (draft.safetensors), the DFlash shape (dflash_config.json) and the optimizer (optimizer.pt); it appears whole or
@@ -43,7 +44,7 @@ from eagle3.draft.dflash import (
 )
 from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
-from eagle3.evaluate.dflash_eval import blocks_for, heldout_acceptance, store_rows
+from eagle3.evaluate.dflash_eval import StoreRows, blocks_for, heldout_acceptance
 from eagle3.train.config import TrainConfig, TrainError, lr_at
 from eagle3.train.trainer import (
     EVALS,
@@ -85,18 +86,12 @@ def is_dflash_checkpoint(path: Path) -> bool:
     return (Path(path) / SHAPE).is_file()
 
 
-class _Samples:
-    """The store's samples as float32 tensors, read once (the DFlash trainer's data are the store's)."""
-
-    def __init__(self, store_dir: Path) -> None:
-        reader = StoreReader(store_dir)
-        self.aux_layer_ids = reader.aux_layer_ids
-        self.rows = store_rows(reader)
-        if not self.rows:
-            raise TrainError(f"the store {store_dir} holds no samples to train the DFlash draft on")
-
-    def __len__(self) -> int:
-        return len(self.rows)
+def _samples(store_dir: Path) -> StoreRows:
+    """The store's samples, each read from its shard when drawn (StoreRows: the trainer never holds the store)."""
+    rows = StoreRows(StoreReader(store_dir))
+    if not len(rows):
+        raise TrainError(f"the store {store_dir} holds no samples to train the DFlash draft on")
+    return rows
 
 
 @functools.lru_cache(maxsize=4)
@@ -140,12 +135,12 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
     started = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = _Samples(Path(store_dir))
-    dconfig = dflash_config_for(config.draft, Path(target_dir), data.aux_layer_ids)
+    data = _samples(Path(store_dir))
+    dconfig = dflash_config_for(config.draft, Path(target_dir), data.reader.aux_layer_ids)
     head: TargetHead = load_target_head(Path(head_path), read_target_config(Path(target_dir)))
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # train.devices' first GPU
     embed = head.embed.float().to(device)
-    heldout = _Samples(Path(heldout_store_dir)).rows if heldout_store_dir is not None else None
+    heldout = _samples(Path(heldout_store_dir)) if heldout_store_dir is not None else None
     model = DFlashDraft(dconfig)
     init_dflash(model, head, seed=config.seed)
     model.to(device)
@@ -189,14 +184,14 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
         for _ in range(config.grad_accum):
             packed = 0
             while True:
-                length = len(data.rows[_sample_index(drawn, len(data), config.seed)][0])
+                length = data.lengths[_sample_index(drawn, len(data), config.seed)]
                 if packed and packed + length > config.batch_tokens:
                     break
                 draws.append(drawn)
                 packed, drawn = packed + length, drawn + 1
         total, tokens = 0.0, 0
         for draw in draws:
-            row = data.rows[_sample_index(draw, len(data), config.seed)]
+            row = data[_sample_index(draw, len(data), config.seed)]
             generator = torch.Generator().manual_seed((config.seed + 1) * 7_919 + draw)
             blocks, aux = blocks_for(row, dconfig, config.draft.anchors_per_sample, generator, device)
             loss = dflash_loss(block_logits(model, aux, embed, blocks), blocks) / len(draws)
