@@ -170,12 +170,11 @@ class TrainConfig(BaseModel):
         check_devices(self.devices, "train.devices")
         if self.draft.method == "dflash":
             one_process = self.num_processes in (1, "auto") and self.nnodes == 1
-            if self.data != "store" or not one_process or self.optimizer != "adamw":
-                setting = ("train.data" if self.data != "store" else "train.optimizer" if self.optimizer != "adamw"
-                           else "train.num_processes/train.nnodes")
-                raise ValueError(f"train.draft.method is 'dflash', which trains from the store in one process with "
-                                 f"AdamW so far, but {setting} asks otherwise; set train.data: store, "
-                                 "train.num_processes: 1, train.nnodes: 1 and train.optimizer: adamw (docs/dflash.md)")
+            if self.data != "store" or not one_process:
+                setting = "train.data" if self.data != "store" else "train.num_processes/train.nnodes"
+                raise ValueError(f"train.draft.method is 'dflash', which trains from the store in one process so far, "
+                                 f"but {setting} asks otherwise; set train.data: store, train.num_processes: 1 and "
+                                 "train.nnodes: 1 (docs/dflash.md)")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
         if isinstance(self.tokens_per_step, int) and self.tokens_per_step < 1:

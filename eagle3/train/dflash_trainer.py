@@ -5,8 +5,9 @@ layers) and the target's embedding and lm_head (target_head). DFlash reads the a
 (aux id a is the output of layer a - 1: eagle3.draft.dflash). Each optimizer step takes train.grad_accum
 micro-batches of whole samples, each up to train.batch_tokens tokens (at least one sample), in a seeded order (a
 new permutation per epoch); it samples train.draft.anchors_per_sample random anchors in each sample
-(sample_blocks) and minimises the paper's decay-weighted cross-entropy (dflash_loss), with AdamW at lr_at(step)
-(train.learning_rate, warm-up, cosine) and gradients clipped to train.max_grad_norm. Each sample is read from its
+(sample_blocks) and minimises the paper's decay-weighted cross-entropy (dflash_loss), with train.optimizer (AdamW,
+or Muon on the hidden matrices as the EAGLE-3 trainer does: eagle3.train.optim) at lr_at(step) (train.learning_rate,
+warm-up, cosine) and gradients clipped to train.max_grad_norm. Each sample is read from its
 shard when drawn (dflash_eval.StoreRows), so memory does not grow with the store.
 
 Every train.checkpoint_every steps (and at the last) a checkpoint folder `checkpoints/step-NNNNNN` holds the weights
@@ -46,6 +47,7 @@ from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 from eagle3.evaluate.dflash_eval import StoreRows, blocks_for, heldout_acceptance
 from eagle3.train.config import TrainConfig, TrainError, lr_at
+from eagle3.train.optim import MuonWithAdamW, build_optimizer
 from eagle3.train.trainer import (
     EVALS,
     LOSSES,
@@ -105,7 +107,8 @@ def _sample_index(i: int, count: int, seed: int) -> int:
     return _order(count, seed, epoch)[at]
 
 
-def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer, out_dir: Path, step: int, drawn: int) -> Path:
+def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer | MuonWithAdamW, out_dir: Path, step: int,
+          drawn: int) -> Path:
     final = out_dir / "checkpoints" / checkpoint_name(step)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -144,8 +147,10 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
     model = DFlashDraft(dconfig)
     init_dflash(model, head, seed=config.seed)
     model.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the lm_head is the target's, frozen
+    params = [p for _, p in named]
+    optimizer = build_optimizer(config.optimizer, [n for n, _ in named], params, config.learning_rate,
+                                config.weight_decay, fused=False)
     step, resumed, drawn = 0, None, 0  # drawn: samples taken so far (the data order's cursor)
     last = _latest(out_dir)
     if last is not None:
@@ -179,7 +184,7 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
         lr = lr_at(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         draws = []  # the samples of this step: train.grad_accum micro-batches of up to train.batch_tokens each
         for _ in range(config.grad_accum):
             packed = 0

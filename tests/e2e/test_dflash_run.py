@@ -7,7 +7,7 @@ One run through the CLI (about a minute on 2 cores), then what a user sees of it
   vLLM's counters saw its drafts, and that greedy output did not change;
 - the same command again is Cached at every stage;
 - a DFlash training killed after a checkpoint resumes there and ends with the losses and weights of one that was
-  never killed (train_dflash with stop_after, on the run's own store);
+  never killed (train_dflash with stop_after, on the run's own store), with AdamW and with Muon;
 - settings that cannot work are refused before any stage, naming the setting, and nothing is written;
 - the EAGLE-3 drafts' train fingerprints are those from before the setting existed (so no cached draft retrains).
 """
@@ -77,7 +77,8 @@ def test_the_same_dflash_command_again_is_cached_at_every_stage(dflash_run: Path
     assert states == {"Cached"}
 
 
-def test_a_killed_dflash_training_resumes_to_the_uninterrupted_result(dflash_run: Path, tmp_path: Path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_killed_dflash_training_resumes_to_the_uninterrupted_result(optimizer, dflash_run: Path, tmp_path: Path):
     from eagle3.data.target import HEAD_FILE, TargetInfo
     from eagle3.train.config import TrainConfig
     from eagle3.train.dflash_trainer import WEIGHTS, train_dflash
@@ -86,6 +87,7 @@ def test_a_killed_dflash_training_resumes_to_the_uninterrupted_result(dflash_run
     paths = {"store_dir": _artifact(dflash_run, "extract") / "train",
              "target_dir": Path(TargetInfo.read(target).model_dir), "head_path": target / HEAD_FILE}
     config = TrainConfig(steps=6, checkpoint_every=3, warmup_steps=1, learning_rate=3e-3, grad_accum=2,
+                         optimizer=optimizer,
                          draft={"method": "dflash", "mask_token_id": 1, "block_size": BLOCK, "anchors_per_sample": 4})
     straight = train_dflash(config, out_dir=tmp_path / "straight", **paths)
     killed = train_dflash(config, out_dir=tmp_path / "killed", stop_after=3, **paths)
