@@ -84,7 +84,7 @@ class StoreRows(Sequence):
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def __getitem__(self, i):  # noqa: ANN001, ANN204 (Sequence's int and slice forms)
+    def __getitem__(self, i: int | slice):  # Sequence's two forms: a row, or a list of rows
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         sample = self.reader[i]
