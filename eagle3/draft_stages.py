@@ -124,13 +124,10 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
              "init_from": init_from}
     processes = resolve_num_processes(config)  # per machine; train.nnodes machines (this one is node 0)
     if config.draft.method == "dflash":
-        if init_from is not None:
-            raise ValueError(f"train.draft.method is 'dflash', but this run starts from the exported draft {init_from} "
-                             "(the nightly warm start), which DFlash training does not take yet; set warm_start: false")
         with trainer_on_gpu(config.devices):
             result = train_dflash(config, store_dir=paths["store_dir"], target_dir=paths["target_dir"],
                                   head_path=paths["head_path"], out_dir=final, progress=progress,
-                                  heldout_store_dir=paths["heldout_store_dir"])
+                                  heldout_store_dir=paths["heldout_store_dir"], init_from=init_from)
     elif config.data != "store":
         if online is None:
             raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "

@@ -43,6 +43,8 @@ from eagle3.draft.dflash import (
     dflash_loss,
     init_dflash,
 )
+from eagle3.draft.dflash_export import load_exported_dflash
+from eagle3.draft.export import ExportError
 from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 from eagle3.evaluate.dflash_eval import StoreRows, blocks_for, heldout_acceptance
@@ -124,6 +126,22 @@ def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer | MuonWithAdamW, 
     return final
 
 
+def _warm_start(model: DFlashDraft, init_from: Path) -> None:
+    """Load an exported DFlash draft's weights into the freshly built `model` (same shape and DFlash settings)."""
+    try:
+        parent = load_exported_dflash(init_from)
+    except (OSError, KeyError, ValueError, ExportError) as err:
+        raise TrainError(f"train init_from={init_from}: not a readable exported DFlash draft ({err}); point it at a "
+                         "DFlash export folder (config.json + model.safetensors), or set warm_start: false") from err
+    if parent.config != model.config:
+        ours, theirs = model.config.model_dump(), parent.config.model_dump()
+        changed = sorted(k for k, v in ours.items() if theirs.get(k) != v)
+        raise TrainError(f"train init_from={init_from}: the DFlash draft there differs from this run's in "
+                         f"{', '.join(changed)}; warm starts need the same target and train.draft settings, or set "
+                         "warm_start: false")
+    model.load_state_dict(parent.state_dict())
+
+
 def _latest(out_dir: Path) -> Path | None:
     folders = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / OPTIMIZER).is_file())
     return folders[-1] if folders else None
@@ -131,10 +149,11 @@ def _latest(out_dir: Path) -> Path | None:
 
 def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head_path: Path, out_dir: Path,
                  progress: Callable[..., None] | None = None, stop_after: int | None = None,
-                 heldout_store_dir: Path | None = None) -> TrainResult:
+                 heldout_store_dir: Path | None = None, init_from: Path | None = None) -> TrainResult:
     """Train (or resume) the DFlash draft; checkpoints, losses.jsonl and evals.jsonl under out_dir (module
     docstring). `progress(step, steps, loss)` after every step; `stop_after` ends the call at that step, as an
-    interruption would (tests check resume with it)."""
+    interruption would (tests check resume with it). `init_from`: an exported DFlash draft of the same shape whose
+    weights a fresh run starts from (the nightly warm start); a resumed run takes its checkpoint's instead."""
     started = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +165,8 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
     heldout = _samples(Path(heldout_store_dir)) if heldout_store_dir is not None else None
     model = DFlashDraft(dconfig)
     init_dflash(model, head, seed=config.seed)
+    if init_from is not None and _latest(out_dir) is None:
+        _warm_start(model, Path(init_from))
     model.to(device)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the lm_head is the target's, frozen
     params = [p for _, p in named]

@@ -9,7 +9,8 @@ One run through the CLI (about a minute on 2 cores), then what a user sees of it
 - a DFlash training killed after a checkpoint resumes there and ends with the losses and weights of one that was
   never killed (train_dflash with stop_after, on the run's own store), with AdamW and with Muon;
 - settings that cannot work are refused before any stage, naming the setting, and nothing is written;
-- the EAGLE-3 drafts' train fingerprints are those from before the setting existed (so no cached draft retrains).
+- the EAGLE-3 drafts' train fingerprints are those from before the setting existed (so no cached draft retrains);
+- the nightly warm start: training from the export starts at its weights; an export of another shape is refused.
 """
 
 from __future__ import annotations
@@ -98,6 +99,32 @@ def test_a_killed_dflash_training_resumes_to_the_uninterrupted_result(optimizer,
     ours = load_file(str(resumed.checkpoint / WEIGHTS))
     theirs = load_file(str(straight.checkpoint / WEIGHTS))
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in theirs)
+
+
+def test_a_warm_start_begins_at_the_exported_draft_and_refuses_one_of_another_shape(dflash_run: Path, tmp_path: Path):
+    """The nightly warm start for a DFlash draft: training from the run's export at a learning rate too small to move
+    anything ends where the export is (and not at a fresh initialisation); an export of another block size is
+    refused, naming what differs."""
+    from eagle3.data.target import HEAD_FILE, TargetInfo
+    from eagle3.train.config import TrainConfig, TrainError
+    from eagle3.train.dflash_trainer import WEIGHTS, train_dflash
+
+    target, export = _artifact(dflash_run, "stage_target"), _artifact(dflash_run, "export")
+    paths = {"store_dir": _artifact(dflash_run, "extract") / "train",
+             "target_dir": Path(TargetInfo.read(target).model_dir), "head_path": target / HEAD_FILE}
+    draft = {"method": "dflash", "mask_token_id": 1, "block_size": BLOCK, "anchors_per_sample": 4}
+    still = TrainConfig(steps=2, checkpoint_every=2, warmup_steps=1, learning_rate=1e-12, draft=draft)
+    warm = train_dflash(still, out_dir=tmp_path / "warm", init_from=export, **paths)
+    cold = train_dflash(still, out_dir=tmp_path / "cold", **paths)
+    parent = load_file(str(export / "model.safetensors"))
+    ours, fresh = load_file(str(warm.checkpoint / WEIGHTS)), load_file(str(cold.checkpoint / WEIGHTS))
+    assert all(torch.allclose(ours[k], parent[k].float(), atol=1e-5) for k in parent)
+    assert not torch.allclose(fresh["fc.weight"], parent["fc.weight"].float(), atol=1e-3)
+
+    other = TrainConfig(steps=2, checkpoint_every=2, warmup_steps=1, draft=draft | {"block_size": BLOCK + 1})
+    with pytest.raises(TrainError, match="block_size"):
+        train_dflash(other, out_dir=tmp_path / "other", init_from=export, **paths)
+    assert not (tmp_path / "other" / "checkpoints").exists() or not any((tmp_path / "other" / "checkpoints").iterdir())
 
 
 @pytest.mark.parametrize(("extra", "named"), [
