@@ -13,10 +13,12 @@ shard when drawn (dflash_eval.StoreRows), so memory does not grow with the store
 Every train.checkpoint_every steps (and at the last) a checkpoint folder `checkpoints/step-NNNNNN` holds the weights
 (draft.safetensors), the DFlash shape (dflash_config.json) and the optimizer (optimizer.pt); it appears whole or
 not at all. A killed run resumes from its last checkpoint and takes the same samples and anchors from there, since
-both follow from (train.seed, the samples drawn so far). With a held-out store each checkpoint is scored there (evals.jsonl): the
-acceptance length a chain verifier gives a block, 1 + the drafted slots that match the data before the first miss,
-averaged over held-out blocks at fixed anchors. The data are the target's own answers (the regenerate stage), so
-this estimates what vLLM accepts; the served evaluation measures it.
+both follow from (train.seed, the samples drawn so far). With a held-out store each checkpoint is scored there
+(evals.jsonl): the acceptance length a chain verifier gives a block, 1 + the drafted slots that match the data
+before the first miss, averaged over held-out blocks at fixed anchors, and the walk
+(eagle3.evaluate.dflash_eval.walk_acceptance: drafting where a served greedy run drafts), by which
+train.select best picks. The data are the target's own answers (the regenerate stage), so these estimate what vLLM
+accepts; the served evaluation measures it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,12 @@ from eagle3.draft.dflash_export import load_exported_dflash
 from eagle3.draft.export import ExportError
 from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
-from eagle3.evaluate.dflash_eval import StoreRows, blocks_for, heldout_acceptance
+from eagle3.evaluate.dflash_eval import (
+    StoreRows,
+    blocks_for,
+    heldout_acceptance,
+    walk_acceptance,
+)
 from eagle3.train.config import TrainConfig, TrainError, lr_at
 from eagle3.train.optim import MuonWithAdamW, build_optimizer
 from eagle3.train.trainer import (
@@ -192,7 +199,7 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
         if heldout is not None and not any(e["step"] == at for e in evals):
             model.eval()
             evals.append({"step": at, "checkpoint": checkpoint_name(at)} | heldout_acceptance(
-                model, embed, heldout, config.draft.anchors_per_sample))
+                model, embed, heldout, config.draft.anchors_per_sample) | walk_acceptance(model, embed, heldout))
             model.train()
             _write_jsonl(out_dir / EVALS, evals)
 

