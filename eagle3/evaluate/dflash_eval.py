@@ -74,20 +74,36 @@ def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: Sequence, 
             "num_drafts": int(matched.shape[0])}
 
 
+WALK_GROUP = 16  # held-out samples walked at once: their states padded to the longest, as one batch
+
+
 def walk_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: Sequence) -> dict:
     """The walk: what a served greedy run accepts on the held-out answers. From each answer's first token, the draft
     fills the block anchored there; the leading drafted tokens that match the answer are accepted, the target adds its
     own next token, and the next block is anchored after it, to the answer's end (a user turn is skipped to the next
     answer). Pooled as vLLM pools its counters: 1 + accepted tokens / drafts; `walk_per_position`: the share of
-    drafts with at least j + 1 accepted. `rows` as for heldout_acceptance; every sample walks at once (one batched
-    draft forward per step, each sample's context padded to the longest)."""
-    config, device = model.config, embed.device
-    size = config.block_size
+    drafts with at least j + 1 accepted. `rows` as for heldout_acceptance, read WALK_GROUP at a time (one batched
+    draft forward per step of a group)."""
+    size = model.config.block_size
     accepted = torch.zeros(size - 1)  # drafts whose first j+1 tokens were all accepted
     drafts = 0
-    rows = list(rows)
-    if not rows:
+    with torch.no_grad():
+        for first in range(0, len(rows), WALK_GROUP):
+            group = [rows[i] for i in range(first, min(first + WALK_GROUP, len(rows)))]
+            taken = _walk_group(model, embed, group)  # [drafts, S-1]
+            drafts += taken.shape[0]
+            accepted += taken.sum(0).float()
+    if not drafts:
         return {"walk": 1.0, "walk_per_position": [0.0] * (size - 1), "walk_drafts": 0}
+    return {"walk": 1.0 + float(accepted.sum()) / drafts, "walk_per_position": (accepted / drafts).tolist(),
+            "walk_drafts": drafts}
+
+
+def _walk_group(model: DFlashDraft, embed: torch.Tensor, rows: list) -> torch.Tensor:
+    """walk_acceptance over `rows` at once, each sample's states padded to the longest: per draft, 1 while every
+    drafted slot so far was accepted [drafts, S-1]."""
+    config, device = model.config, embed.device
+    size = config.block_size
     longest = max(int(ids.shape[0]) for ids, _, _ in rows)
     ids = torch.zeros(len(rows), longest + size, dtype=torch.long)  # + size: a block may run past the end
     answer = torch.zeros(len(rows), longest + size, dtype=torch.bool)
@@ -96,31 +112,28 @@ def walk_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: Sequence) -> 
         ids[i, :len(row_ids)], answer[i, :len(row_ids)], aux[i, :len(row_ids)] = row_ids, row_mask.bool(), row_aux
     starts = [answer[i].nonzero().flatten().tolist() for i in range(len(rows))]
     at = {i: s[0] for i, s in enumerate(starts) if s and s[0] < len(rows[i][0]) - 1}  # sample -> its next anchor
-    with torch.no_grad():
-        context = model.context(aux.to(device))  # [B, T, H]
-        while at:
-            which = sorted(at)
-            anchors = torch.tensor([at[i] for i in which])  # [b]
-            tokens = torch.full((len(which), size), config.mask_token_id, dtype=torch.long)
-            tokens[:, 0] = ids[which, anchors]
-            hidden = model(context[which], embed[tokens.to(device)][:, None], anchors[:, None].to(device))  # [b,1,S,H]
-            guess = model.logits(hidden[:, 0, 1:]).argmax(-1).cpu()  # [b, S-1]
-            slots = anchors[:, None] + 1 + torch.arange(size - 1)  # [b, S-1]: the positions each slot drafts
-            rows_of = torch.tensor(which)[:, None]
-            right = (guess == ids[rows_of, slots]) & answer[rows_of, slots]
-            taken = right.long().cumprod(-1)  # [b, S-1]: 1 while every slot so far was accepted
-            drafts += len(which)
-            accepted += taken.sum(0).float()
-            for i, p, k in zip(which, anchors.tolist(), taken.sum(-1).tolist(), strict=True):
-                p += k + 1  # the accepted tokens and the target's own next one
-                if not answer[i, p]:  # the answer ended: on to the next one, if any
-                    p = next((q for q in starts[i] if q > p), longest)
-                if p < len(rows[i][0]) - 1:
-                    at[i] = p
-                else:
-                    del at[i]
-    return {"walk": 1.0 + float(accepted.sum()) / drafts, "walk_per_position": (accepted / drafts).tolist(),
-            "walk_drafts": drafts}
+    context = model.context(aux.to(device))  # [B, T, H]
+    out = []
+    while at:
+        which = sorted(at)
+        anchors = torch.tensor([at[i] for i in which])  # [b]
+        tokens = torch.full((len(which), size), config.mask_token_id, dtype=torch.long)
+        tokens[:, 0] = ids[which, anchors]
+        hidden = model(context[which], embed[tokens.to(device)][:, None], anchors[:, None].to(device))  # [b, 1, S, H]
+        guess = model.logits(hidden[:, 0, 1:]).argmax(-1).cpu()  # [b, S-1]
+        slots = anchors[:, None] + 1 + torch.arange(size - 1)  # [b, S-1]: the positions each slot drafts
+        rows_of = torch.tensor(which)[:, None]
+        taken = ((guess == ids[rows_of, slots]) & answer[rows_of, slots]).long().cumprod(-1)  # [b, S-1]
+        out.append(taken)
+        for i, p, k in zip(which, anchors.tolist(), taken.sum(-1).tolist(), strict=True):
+            p += k + 1  # the accepted tokens and the target's own next one
+            if not answer[i, p]:  # the answer ended: on to the next one, if any
+                p = next((q for q in starts[i] if q > p), longest)
+            if p < len(rows[i][0]) - 1:
+                at[i] = p
+            else:
+                del at[i]
+    return torch.cat(out) if out else torch.zeros(0, size - 1, dtype=torch.long)
 
 
 class StoreRows(Sequence):
