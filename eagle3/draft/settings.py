@@ -15,6 +15,9 @@ MLA_SHAPES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_hea
 # the DFlash settings (train.draft.method: dflash): out of an EAGLE-3 draft's fingerprint, so drafts trained before
 # they existed keep their artifacts
 DFLASH_FIELDS = ("method", "block_size", "mask_token_id", "decay_gamma", "anchors_per_sample")
+# The DFlash trainer's behaviour, in the train fingerprint of DFlash drafts only. 2: train.optimizer (AdamW as the
+# EAGLE-3 trainer's, or Muon) and checkpoints picked by the walk (eagle3.evaluate.dflash_eval.walk_acceptance).
+DFLASH_TRAINER_VERSION = 2
 
 
 def default_decay_gamma(block_size: int) -> float:
@@ -115,6 +118,8 @@ class DraftSettings(BaseModel):
         values = self.model_dump()
         if self.method == "eagle3":
             values = {k: v for k, v in values.items() if k not in DFLASH_FIELDS}
+        else:  # what the DFlash trainer does changed: a DFlash draft an older one trained is trained again
+            values["dflash_trainer"] = DFLASH_TRAINER_VERSION
         return values
 
     def gamma(self) -> float:
