@@ -57,6 +57,13 @@ def buffer_bytes_on_disk(folder: Path) -> int:
     return total
 
 
+def _remove_temporaries(folder: Path) -> None:
+    """The feed files' temporaries (atomic_write_text's `.<name>.tmp-<pid>-<thread>`) that a killed trainer left."""
+    for name in (FEED_FILE, CURSOR_FILE, SAMPLES_FILE):
+        for path in folder.glob(f".{name}.tmp-*"):
+            path.unlink(missing_ok=True)
+
+
 class RemoteFeed:
     """The trainer's side: OnlineFeed's interface (locations, consumed, close, stats) over shards a worker writes."""
 
@@ -67,6 +74,7 @@ class RemoteFeed:
         self.kept_locations = kept_locations(data)
         self.stream = secrets.token_hex(4)
         remove_shards(self.folder)  # an earlier stream's: this one starts at the checkpoint's cursor
+        _remove_temporaries(self.folder)  # a killed trainer's half-written cursor (SIGKILL inside its fsync)
         self.done: set[int] = set()
         self.lock = threading.Lock()
         self.closed = False
@@ -132,6 +140,7 @@ class RemoteFeed:
             remove_shards(self.folder)
             for name in (CURSOR_FILE, SAMPLES_FILE):
                 (self.folder / name).unlink(missing_ok=True)
+            _remove_temporaries(self.folder)
         with contextlib.suppress(OSError):
             self.folder.rmdir()
             if self.folder.parent.name == "online_buffer":

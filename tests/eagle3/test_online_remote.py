@@ -187,6 +187,18 @@ def test_no_worker_is_one_clear_error_naming_the_setting(tmp_path):
     assert not (tmp_path / "buffer").exists()
 
 
+def test_a_cursor_half_written_by_a_killed_trainer_does_not_outlive_the_next_run(tmp_path):
+    """SIGKILL can land inside the fsync of the trainer's cursor write, leaving `.cursor.json.tmp-<pid>-<thread>`; the
+    next run over the same buffer removes it, and nothing of the feed is left when that run ends (CI saw the folder
+    left behind by exactly this)."""
+    buffer = tmp_path / "buffer"
+    buffer.mkdir()
+    (buffer / ".cursor.json.tmp-4242-1").write_text('{"stream": "dead')
+    with pytest.raises(OnlineDataError, match=r"within online.remote_wait_s=1 s"):
+        _train(tmp_path / "out", _data(buffer, "remote", wait_s=1.0))
+    assert not buffer.exists()
+
+
 def test_a_remote_producer_without_a_folder_the_worker_can_see_is_refused_when_the_config_is_read():
     from eagle3.config import ConfigError, build_config
 
