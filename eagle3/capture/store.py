@@ -61,6 +61,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -417,6 +418,11 @@ class StoreReader:
     def num_tokens(self) -> int:
         return sum(entry.num_tokens for entry in self.shards)
 
+    def sample_lengths(self) -> list[int]:
+        """Each sample's token count, in store order, from its shard's header: no tensor is loaded."""
+        return [shard_header(str(self.root / entry.file))[1][f"{j}.input_ids"]["shape"][0]
+                for entry in self.shards for j in range(len(entry.sample_ids))]
+
     def sample_sources(self) -> list[str | None]:
         """Each sample's data source, in store order (None: it names none), from the manifest: nothing is loaded."""
         return [entry.sources[j] if entry.sources else None for entry in self.shards for j in range(len(entry.sample_ids))]
@@ -457,6 +463,20 @@ class StoreReader:
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
             yield self[i]
+
+
+def shard_header(path: str) -> tuple[int, dict]:
+    """(offset of the data section, header) of a safetensors file (the format's 8-byte length + JSON).
+    Cached per (path, size, mtime): a shard rewritten in place is read afresh."""
+    stat = os.stat(path)
+    return _header_of(path, stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)
+def _header_of(path: str, size: int, mtime_ns: int) -> tuple[int, dict]:
+    with open(path, "rb") as handle:
+        length = struct.unpack("<Q", handle.read(8))[0]
+        return 8 + length, json.loads(handle.read(length))
 
 
 def is_complete(root: Path) -> bool:

@@ -8,9 +8,6 @@ run would have seen.
 
 from __future__ import annotations
 
-import json
-import os
-import struct
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3.capture.store import FP8, Sample, dequantize_fp8
+from eagle3.capture.store import FP8, Sample, dequantize_fp8, shard_header
 from eagle3.draft.model import ttt_alignment
 
 
@@ -107,20 +104,6 @@ def pad_rows(batch: MicroBatch, multiple: int, limit: int | None = None) -> Micr
 # -- reading micro-batches straight from the store's shards ------------------------------
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": FP8,
                        "I64": torch.int64, "BOOL": torch.bool}
-
-
-def shard_header(path: str) -> tuple[int, dict]:
-    """(offset of the data section, header) of a safetensors file (the format's 8-byte length + JSON).
-    Cached per (path, size, mtime): a shard rewritten in place is read afresh."""
-    stat = os.stat(path)
-    return _header_of(path, stat.st_size, stat.st_mtime_ns)
-
-
-@lru_cache(maxsize=4096)
-def _header_of(path: str, size: int, mtime_ns: int) -> tuple[int, dict]:
-    with open(path, "rb") as handle:
-        length = struct.unpack("<Q", handle.read(8))[0]
-        return 8 + length, json.loads(handle.read(length))
 
 
 def _read_rows(handle, path: str, name: str, rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ MLA_SHAPES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_hea
 # they existed keep their artifacts
 DFLASH_FIELDS = ("method", "block_size", "mask_token_id", "decay_gamma", "anchors_per_sample")
 # The DFlash trainer's behaviour, in the train fingerprint of DFlash drafts only. 2: train.optimizer (AdamW as the
-# EAGLE-3 trainer's, or Muon) and checkpoints picked by the walk (eagle3.evaluate.dflash_eval.walk_acceptance).
+# EAGLE-3 trainer's, or Muon) and checkpoints picked by the walk (eagle3.evaluate.dflash_eval.heldout_figures).
 DFLASH_TRAINER_VERSION = 2
 
 

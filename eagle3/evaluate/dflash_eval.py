@@ -3,8 +3,7 @@ stage's report for a DFlash export.
 
 Held-out blocks: each held-out sample gets `anchors` random anchors, fixed (seeded by the sample's index), and the
 draft fills each anchor's block as vLLM would. The acceptance length a chain verifier gives a block is 1 + the
-drafted tokens that match the held-out answer before the first miss, averaged over the blocks. The walk
-(walk_acceptance) drafts where a served greedy run drafts instead: from each answer's first token, block after block,
+drafted tokens that match the held-out answer before the first miss, averaged over the blocks. The walk drafts where a served greedy run drafts instead: from each answer's first token, block after block,
 each anchored after the tokens the last one had accepted, pooled as vLLM pools its counters. The data are the
 target's own answers (the regenerate stage), so both estimate what vLLM accepts; the walk is the one that tracks it
 (on the demo's data with Muon: walk 1.805, vLLM 1.809, held-out blocks 1.996, which weigh every sample alike:
@@ -26,7 +25,6 @@ import torch
 
 from eagle3.capture.store import StoreReader
 from eagle3.capture.vllm_adapter import ServingSetup
-from eagle3.draft.batches import shard_header
 from eagle3.draft.dflash import (
     Blocks,
     DFlashConfig,
@@ -53,54 +51,59 @@ def blocks_for(row: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: DFl
     return blocks, aux[None]  # aux [1, T, n, H]
 
 
-def heldout_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: Sequence, anchors: int) -> dict:
-    """1 + the drafted slots matching the data before the first miss, over the held-out blocks (module docstring);
-    `per_position`: the share of blocks whose first k+1 slots all match. `rows`: (token ids, loss mask, aux states)
-    per sample; the anchors are the same for every call."""
-    config, device = model.config, embed.device
-    leading: list[torch.Tensor] = []
-    with torch.no_grad():
-        for index, row in enumerate(rows):
-            blocks, aux = blocks_for(row, config, anchors, torch.Generator().manual_seed(HELDOUT_SEED + index), device)
-            counted = blocks.weights[..., 0] > 0  # [1, A]: blocks whose first drafted slot is an answer token
-            if not counted.any():
-                continue
-            right = (block_logits(model, aux, embed, blocks).argmax(-1) == blocks.labels) & (blocks.weights > 0)
-            leading.append(right.long().cumprod(-1)[counted].cpu())  # [blocks, S-1]: 1 while every slot so far matched
-    if not leading:
-        return {"acceptance_length": 1.0, "per_position": [0.0] * (config.block_size - 1), "num_drafts": 0}
-    matched = torch.cat(leading).float()  # [blocks, S-1]
-    return {"acceptance_length": 1.0 + float(matched.sum(-1).mean()), "per_position": matched.mean(0).tolist(),
-            "num_drafts": int(matched.shape[0])}
+WALK_GROUP = 16  # held-out samples read and walked at once: their states padded to the longest, as one batch
 
 
-WALK_GROUP = 16  # held-out samples walked at once: their states padded to the longest, as one batch
+def heldout_figures(model: DFlashDraft, embed: torch.Tensor, rows: Sequence, anchors: int) -> dict:
+    """Both held-out figures, each sample read once (WALK_GROUP at a time). `rows`: (token ids, loss mask, aux states)
+    per sample.
 
+    Held-out blocks (`acceptance_length`, `per_position`, `num_drafts`): 1 + the drafted slots matching the data
+    before the first miss, over `anchors` blocks per sample at anchors fixed by the sample's index (the same for every
+    call); `per_position`: the share of blocks whose first k+1 slots all match.
 
-def walk_acceptance(model: DFlashDraft, embed: torch.Tensor, rows: Sequence) -> dict:
-    """The walk: what a served greedy run accepts on the held-out answers. From each answer's first token, the draft
-    fills the block anchored there; the leading drafted tokens that match the answer are accepted, the target adds its
-    own next token, and the next block is anchored after it, to the answer's end (a user turn is skipped to the next
-    answer). Pooled as vLLM pools its counters: 1 + accepted tokens / drafts; `walk_per_position`: the share of
-    drafts with at least j + 1 accepted. `rows` as for heldout_acceptance, read WALK_GROUP at a time (one batched
-    draft forward per step of a group)."""
+    The walk (`walk`, `walk_per_position`, `walk_drafts`): what a served greedy run accepts on the held-out answers.
+    From each answer's first token, the draft fills the block anchored there; the leading drafted tokens that match
+    the answer are accepted, the target adds its own next token, and the next block is anchored after it, to the
+    answer's end (a user turn is skipped to the next answer). Pooled as vLLM pools its counters: 1 + accepted tokens /
+    drafts; `walk_per_position`: the share of drafts with at least j + 1 accepted."""
     size = model.config.block_size
-    accepted = torch.zeros(size - 1)  # drafts whose first j+1 tokens were all accepted
-    drafts = 0
+    leading: list[torch.Tensor] = []  # per sample: [blocks, S-1], 1 while every slot so far matched
+    accepted, drafts = torch.zeros(size - 1), 0  # drafts whose first j+1 tokens were all accepted
     with torch.no_grad():
         for first in range(0, len(rows), WALK_GROUP):
             group = [rows[i] for i in range(first, min(first + WALK_GROUP, len(rows)))]
+            leading += [m for i, row in enumerate(group, first) if (m := _block_matches(model, embed, row, i, anchors))
+                        is not None]
             taken = _walk_group(model, embed, group)  # [drafts, S-1]
             drafts += taken.shape[0]
             accepted += taken.sum(0).float()
+    if leading:
+        matched = torch.cat(leading).float()  # [blocks, S-1]
+        blocks = {"acceptance_length": 1.0 + float(matched.sum(-1).mean()), "per_position": matched.mean(0).tolist(),
+                  "num_drafts": int(matched.shape[0])}
+    else:
+        blocks = {"acceptance_length": 1.0, "per_position": [0.0] * (size - 1), "num_drafts": 0}
     if not drafts:
-        return {"walk": 1.0, "walk_per_position": [0.0] * (size - 1), "walk_drafts": 0}
-    return {"walk": 1.0 + float(accepted.sum()) / drafts, "walk_per_position": (accepted / drafts).tolist(),
-            "walk_drafts": drafts}
+        return blocks | {"walk": 1.0, "walk_per_position": [0.0] * (size - 1), "walk_drafts": 0}
+    return blocks | {"walk": 1.0 + float(accepted.sum()) / drafts, "walk_per_position": (accepted / drafts).tolist(),
+                     "walk_drafts": drafts}
+
+
+def _block_matches(model: DFlashDraft, embed: torch.Tensor, row: tuple, index: int, anchors: int) -> torch.Tensor | None:
+    """Sample `index`'s held-out blocks: per block whose first drafted slot is an answer token, 1 while every slot so
+    far matched [blocks, S-1]; None if it has no such block."""
+    generator = torch.Generator().manual_seed(HELDOUT_SEED + index)
+    blocks, aux = blocks_for(row, model.config, anchors, generator, embed.device)
+    counted = blocks.weights[..., 0] > 0  # [1, A]
+    if not counted.any():
+        return None
+    right = (block_logits(model, aux, embed, blocks).argmax(-1) == blocks.labels) & (blocks.weights > 0)
+    return right.long().cumprod(-1)[counted].cpu()
 
 
 def _walk_group(model: DFlashDraft, embed: torch.Tensor, rows: list) -> torch.Tensor:
-    """walk_acceptance over `rows` at once, each sample's states padded to the longest: per draft, 1 while every
+    """The walk over `rows` at once, each sample's states padded to the longest: per draft, 1 while every
     drafted slot so far was accepted [drafts, S-1]."""
     config, device = model.config, embed.device
     size = config.block_size
@@ -143,8 +146,7 @@ class StoreRows(Sequence):
 
     def __init__(self, reader: StoreReader) -> None:
         self.reader = reader
-        self.lengths = [shard_header(str(reader.root / e.file))[1][f"{j}.input_ids"]["shape"][0]
-                        for e in reader.shards for j in range(len(e.sample_ids))]
+        self.lengths = reader.sample_lengths()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -161,7 +163,7 @@ class StoreRows(Sequence):
 class DFlashEvaluation:
     """What the evaluate stage writes for a DFlash export."""
 
-    simulated: dict  # heldout_acceptance's figures
+    simulated: dict  # heldout_figures' figures
     served: ServedReport | None
     num_speculative_tokens: int
     sweep: SweepReport | None = None  # the served sweep at k = num_speculative_tokens (eval.served_concurrency)
@@ -216,7 +218,7 @@ def evaluate_dflash(config: EvalConfig, export_dir: Path, reader: StoreReader, e
     model = load_exported_dflash(export_dir)
     rows = StoreRows(reader)
     embed = embed.float()
-    simulated = heldout_acceptance(model, embed, rows, EVAL_ANCHORS) | walk_acceptance(model, embed, rows)
+    simulated = heldout_figures(model, embed, rows, EVAL_ANCHORS)
     on_simulated(len(rows), len(rows), 0)
     k = model.config.num_speculative_tokens
     served = None

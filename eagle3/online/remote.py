@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import secrets
 import threading
 import time
@@ -35,9 +34,18 @@ from pathlib import Path
 import torch
 
 from eagle3.artifacts import atomic_write_text
-from eagle3.draft.batches import next_batch_indices, shard_header
-from eagle3.online.feed import (Capture, OnlineData, OnlineDataError, OnlineSample, kept_locations, remove_shards,
-                                      shard_bytes, write_shard)
+from eagle3.capture.store import shard_header
+from eagle3.draft.batches import next_batch_indices
+from eagle3.online.feed import (
+    Capture,
+    OnlineData,
+    OnlineDataError,
+    OnlineSample,
+    kept_locations,
+    remove_shards,
+    shard_bytes,
+    write_shard,
+)
 
 log = logging.getLogger(__name__)
 FEED_FILE, CURSOR_FILE, SAMPLES_FILE = "feed.json", "cursor.json", "samples.jsonl"

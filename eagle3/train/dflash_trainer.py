@@ -16,7 +16,7 @@ not at all. A killed run resumes from its last checkpoint and takes the same sam
 both follow from (train.seed, the samples drawn so far). With a held-out store each checkpoint is scored there
 (evals.jsonl): the acceptance length a chain verifier gives a block, 1 + the drafted slots that match the data
 before the first miss, averaged over held-out blocks at fixed anchors, and the walk
-(eagle3.evaluate.dflash_eval.walk_acceptance: drafting where a served greedy run drafts), by which
+(eagle3.evaluate.dflash_eval.heldout_figures: drafting where a served greedy run drafts), by which
 train.select best picks. The data are the target's own answers (the regenerate stage), so these estimate what vLLM
 accepts; the served evaluation measures it.
 """
@@ -52,8 +52,7 @@ from eagle3.draft.target_head import TargetHead, load_target_head, read_target_c
 from eagle3.evaluate.dflash_eval import (
     StoreRows,
     blocks_for,
-    heldout_acceptance,
-    walk_acceptance,
+    heldout_figures,
 )
 from eagle3.train.config import TrainConfig, TrainError, lr_at
 from eagle3.train.optim import MuonWithAdamW, build_optimizer
@@ -198,8 +197,8 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
     def evaluate(at: int) -> None:
         if heldout is not None and not any(e["step"] == at for e in evals):
             model.eval()
-            evals.append({"step": at, "checkpoint": checkpoint_name(at)} | heldout_acceptance(
-                model, embed, heldout, config.draft.anchors_per_sample) | walk_acceptance(model, embed, heldout))
+            evals.append({"step": at, "checkpoint": checkpoint_name(at)} | heldout_figures(
+                model, embed, heldout, config.draft.anchors_per_sample))
             model.train()
             _write_jsonl(out_dir / EVALS, evals)
 

@@ -38,7 +38,7 @@ import torch
 from eagle3.artifacts import atomic_write_text
 from eagle3.capture.store import StoreReader
 from eagle3.train import ddp
-from eagle3.draft.batches import BatchStream, shard_header
+from eagle3.draft.batches import BatchStream
 from eagle3.draft.checkpoint import Checkpoint, checkpoint_name, clean_temporaries, latest_valid_checkpoint, save_checkpoint
 from eagle3.evaluate.acceptance import simulate_acceptance
 from eagle3.draft.export import ExportError, load_exported_draft
@@ -110,7 +110,7 @@ class _Layout:
             reader = StoreReader(store_dir)
             self.aux_layer_ids, self.hidden_size = reader.aux_layer_ids, reader.hidden_size
             self.locations = [(str(reader.root / e.file), j) for e in reader.shards for j in range(len(e.sample_ids))]
-            self.lengths = [shard_header(path)[1][f"{j}.input_ids"]["shape"][0] for path, j in self.locations]
+            self.lengths = reader.sample_lengths()
         else:  # online/hybrid: the feed says where each micro-batch's samples are once captured
             self.aux_layer_ids, self.hidden_size = list(online.aux_layer_ids), online.hidden_size
             self.locations, self.lengths = [], [s.tokens for s in online.samples]  # images expanded
