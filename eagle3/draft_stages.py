@@ -123,15 +123,15 @@ def run_train(config: TrainConfig, target: StageRecord, extracted: StageRecord, 
              "vocab_path": vocab.path / VOCAB_FILE, "heldout_store_dir": heldout if len(StoreReader(heldout)) else None,
              "init_from": init_from}
     processes = resolve_num_processes(config)  # per machine; train.nnodes machines (this one is node 0)
+    if config.data != "store" and online is None:
+        raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
+                         "passes them (run_train(online=OnlineSetup(...)))")
     if config.draft.method == "dflash":
-        with trainer_on_gpu(config.devices):
-            result = train_dflash(config, store_dir=paths["store_dir"], target_dir=paths["target_dir"],
-                                  head_path=paths["head_path"], out_dir=final, progress=progress,
-                                  heldout_store_dir=paths["heldout_store_dir"], init_from=init_from)
+        dflash_paths = {k: paths[k] for k in ("store_dir", "target_dir", "head_path", "heldout_store_dir", "init_from")}
+        with (online_data(config, online, target, extracted, root, fp, say) if config.data != "store"
+              else contextlib.nullcontext()) as data, trainer_on_gpu(config.devices):
+            result = train_dflash(config, out_dir=final, progress=progress, online=data, **dflash_paths)
     elif config.data != "store":
-        if online is None:
-            raise ValueError(f"train.data={config.data!r} needs the online settings and the target engine; the flow "
-                             "passes them (run_train(online=OnlineSetup(...)))")
         with online_data(config, online, target, extracted, root, fp, say) as data, trainer_on_gpu(config.devices):
             result = train_draft(config, out_dir=final, progress=progress, online=data, **paths)  # + tokens captured
     elif processes > 1 or config.nnodes > 1:

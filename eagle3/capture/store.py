@@ -448,17 +448,9 @@ class StoreReader:
     def __getitem__(self, i: int) -> Sample:
         shard, j = self._index[i]
         entry = self.shards[shard]
-        with safe_open(str(self.root / entry.file), framework="pt") as handle:
-            states = handle.get_tensor(f"{j}.hidden_states")
-            if states.dtype == FP8:
-                states = dequantize_fp8(states, handle.get_tensor(f"{j}.hidden_scales"), self.dequantize_dtype)
-            return Sample(
-                sample_id=entry.sample_ids[j],
-                input_ids=handle.get_tensor(f"{j}.input_ids"),
-                loss_mask=handle.get_tensor(f"{j}.loss_mask"),
-                hidden_states=states,
-                source=entry.sources[j] if entry.sources else None,
-            )
+        input_ids, loss_mask, states = read_shard_sample(self.root / entry.file, j, self.dequantize_dtype)
+        return Sample(sample_id=entry.sample_ids[j], input_ids=input_ids, loss_mask=loss_mask, hidden_states=states,
+                      source=entry.sources[j] if entry.sources else None)
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
@@ -477,6 +469,17 @@ def _header_of(path: str, size: int, mtime_ns: int) -> tuple[int, dict]:
     with open(path, "rb") as handle:
         length = struct.unpack("<Q", handle.read(8))[0]
         return 8 + length, json.loads(handle.read(length))
+
+
+def read_shard_sample(path: Path, j: int, dequantize_dtype: torch.dtype = torch.bfloat16
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample `j` of a shard in the store's format (a store's, or an online buffer's): token ids, loss mask and
+    states [T, n, H] (fp8 states dequantized to `dequantize_dtype`)."""
+    with safe_open(str(path), framework="pt") as handle:
+        states = handle.get_tensor(f"{j}.hidden_states")
+        if states.dtype == FP8:
+            states = dequantize_fp8(states, handle.get_tensor(f"{j}.hidden_scales"), dequantize_dtype)
+        return handle.get_tensor(f"{j}.input_ids"), handle.get_tensor(f"{j}.loss_mask"), states
 
 
 def is_complete(root: Path) -> bool:

@@ -17,7 +17,9 @@ MLA_SHAPES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_hea
 DFLASH_FIELDS = ("method", "block_size", "mask_token_id", "decay_gamma", "anchors_per_sample")
 # The DFlash trainer's behaviour, in the train fingerprint of DFlash drafts only. 2: train.optimizer (AdamW as the
 # EAGLE-3 trainer's, or Muon) and checkpoints picked by the walk (eagle3.evaluate.dflash_eval.heldout_figures).
-DFLASH_TRAINER_VERSION = 2
+# 3: the EAGLE-3 trainer's micro-batch order (next_batch_indices: no micro-batch spans two epochs, samples cut to
+# train.batch_tokens), which the online feed captures in.
+DFLASH_TRAINER_VERSION = 3
 
 
 def default_decay_gamma(block_size: int) -> float:

@@ -168,13 +168,10 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         check_devices(self.devices, "train.devices")
-        if self.draft.method == "dflash":
-            one_process = self.num_processes in (1, "auto") and self.nnodes == 1
-            if self.data != "store" or not one_process:
-                setting = "train.data" if self.data != "store" else "train.num_processes/train.nnodes"
-                raise ValueError(f"train.draft.method is 'dflash', which trains from the store in one process so far, "
-                                 f"but {setting} asks otherwise; set train.data: store, train.num_processes: 1 and "
-                                 "train.nnodes: 1 (docs/dflash.md)")
+        if self.draft.method == "dflash" and not (self.num_processes in (1, "auto") and self.nnodes == 1):
+            raise ValueError(f"train.draft.method is 'dflash', which trains in one process so far, but "
+                             f"train.num_processes={self.num_processes!r} and train.nnodes={self.nnodes} ask for more; "
+                             "set train.num_processes: 1 and train.nnodes: 1 (docs/dflash.md)")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
         if isinstance(self.tokens_per_step, int) and self.tokens_per_step < 1:

@@ -135,8 +135,8 @@ def test_a_warm_start_begins_at_the_exported_draft_and_refuses_one_of_another_sh
 @pytest.mark.parametrize(("extra", "named"), [
     ([], "train.draft.mask_token_id"),
     (["--set", "train.draft.mask_token_id=1", "--set", "train.draft.block_size=1"], "block_size"),
-    (["--set", "train.draft.mask_token_id=1", "--set", "train.data=online"], "train.data"),
-], ids=["no-mask-token", "block-size-1", "online"])
+    (["--set", "train.draft.mask_token_id=1", "--set", "train.num_processes=2"], "train.num_processes"),
+], ids=["no-mask-token", "block-size-1", "two-processes"])
 def test_dflash_settings_that_cannot_work_are_refused_before_any_stage(extra, named, tmp_path: Path, cli_env):
     run_dir = tmp_path / "run"
     out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", "train.draft.method=dflash",

@@ -56,8 +56,9 @@ def _extract(world, budget: float | None):
                               world["root"], fp, world["loads"])
 
 
-def _train(world, extracted, data: str, root: Path, buffer_gib: float = 0.001, seen: list | None = None):
-    config = TrainConfig(data=data, **TRAIN)
+def _train(world, extracted, data: str, root: Path, buffer_gib: float = 0.001, seen: list | None = None,
+           draft: dict | None = None):
+    config = TrainConfig(data=data, **TRAIN, **({"draft": draft} if draft else {}))
     fp = draft_stages.fingerprint_train(config, extracted, world["vocab"], world["target"])
     setup = draft_stages.OnlineSetup(OnlineConfig(buffer_gib=buffer_gib), stages.online_target_config(TARGET), world["loads"])
     record = draft_stages.run_train(config, world["target"], extracted, world["vocab"], root, fp,
@@ -209,3 +210,27 @@ def test_a_remote_capture_worker_started_with_the_command_the_stage_prints_gives
     losses = [json.loads(line)["loss"] for line in (record.path / "losses.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(store_losses, abs=1e-5)
     assert not (tmp_path / "buffer").exists()
+
+
+DFLASH = {"method": "dflash", "mask_token_id": 1, "block_size": 4, "anchors_per_sample": 4}
+
+
+@pytest.mark.parametrize("data", ["online", "hybrid"])
+def test_a_dflash_draft_trained_online_or_hybrid_gives_the_store_runs_losses(world, store_run, tmp_path, data):
+    """train.draft.method dflash with train.data online (no train state stored) and hybrid (half kept): the DFlash
+    trainer takes the feed's micro-batches in the order a store run reads them, so the losses are the store run's,
+    the draft is a DFlash one, and nothing of the buffer is left."""
+    store_extract = store_run[0]
+    _, store_losses = _train(world, store_extract, "store", tmp_path / "store", draft=DFLASH)
+    if data == "online":
+        extracted = _extract(world, 0.0)
+    else:
+        info = TargetInfo.read(world["target"].path)
+        per_token = row_bytes(len(info.aux_layer_ids) + 1, info.hidden_size, torch.float32)
+        extracted = _extract(world, store_extract.stats["train_tokens"] * per_token / 2 / GIB)
+    record, losses = _train(world, extracted, data, tmp_path / data, buffer_gib=2 * _one_shard(world) / GIB,
+                            draft=DFLASH)
+    assert len(losses) == TRAIN["steps"] and losses == pytest.approx(store_losses, abs=1e-5)
+    assert record.stats["method"] == "dflash" and record.stats["data"] == data
+    assert record.stats["tokens_captured"] > 0
+    assert not (tmp_path / data / "online_buffer").exists()

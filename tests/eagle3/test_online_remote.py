@@ -207,3 +207,32 @@ def test_a_remote_producer_without_a_folder_the_worker_can_see_is_refused_when_t
     config = build_config("tiny", overrides=["train.data=online", "online.producer=remote", "artifact_root=s3://bucket/x",
                                              "online.buffer_dir=/shared/buffer"])
     assert config.online.producer == "remote"
+
+
+def test_a_dflash_draft_stopped_online_resumes_at_its_cursor_with_the_losses_of_one_never_stopped(tmp_path):
+    """train.draft.method dflash from the local producer (the tiny target in transformers, a thread of the trainer):
+    stopped after step 6 (checkpoint at 4) and called again, the feed starts at the checkpoint's (epoch, cursor), and
+    the losses are those of a run never stopped; each call leaves no buffer behind."""
+    from eagle3.train.dflash_trainer import train_dflash
+
+    world = tiny_world()
+    model = load_hf_target(str(world.target_dir), dtype="float32", device="cpu")
+    capture = SourceCapture(HFSource(model, batch_tokens=TRAIN_KW["batch_tokens"]), AUX_LAYER_IDS + [NUM_LAYERS],
+                            torch.device("cpu"))
+    draft = {"method": "dflash", "mask_token_id": 1, "block_size": 4, "anchors_per_sample": 4}
+    config = TrainConfig(steps=STEPS, checkpoint_every=4, data="online", draft=draft, **TRAIN_KW)
+    paths = {"store_dir": world.train_store, "target_dir": world.target_dir, "head_path": world.head_path}
+
+    def run(out: Path, buffer: Path, stop_after: int | None = None):
+        result = train_dflash(config, out_dir=out, online=_data(buffer, "local", capture), stop_after=stop_after,
+                              **paths)
+        assert not buffer.exists()
+        return result
+
+    straight = run(tmp_path / "straight", tmp_path / "b1")
+    assert straight.online["tokens_captured"] > 0
+    stopped = run(tmp_path / "stopped", tmp_path / "b2", stop_after=6)
+    assert len(stopped.losses) == 6
+    resumed = run(tmp_path / "stopped", tmp_path / "b2")
+    assert resumed.resumed_from_step == 4 and len(resumed.losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(resumed.losses, straight.losses, strict=True)) <= 1e-5
