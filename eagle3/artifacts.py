@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,6 +52,14 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_write_temporaries(folder: Path, names: Iterable[str]) -> None:
+    """The temporaries atomic_write_text leaves for `names` in `folder` when its process is killed mid-write
+    (`.<name>.tmp-<pid>-<thread>`). Call it where one writer owns the folder: a live writer's would go too."""
+    for name in names:
+        for path in Path(folder).glob(f".{name}.tmp-*"):
+            path.unlink(missing_ok=True)
 
 
 class StageRecord(BaseModel):
@@ -117,8 +125,9 @@ def fsync_tree(root: Path) -> None:
 
 def mark_complete(directory: Path, record: StageRecord) -> StageRecord:
     """Write the completion marker (last step of building an artifact)."""
-    marker = {"record": record.to_dict(), "files": _listing(directory)}
     tmp = directory / f".{MARKER}.tmp"
+    tmp.unlink(missing_ok=True)  # a killed earlier attempt's: not a file of the artifact
+    marker = {"record": record.to_dict(), "files": _listing(directory)}
     tmp.write_text(json.dumps(marker, indent=1))
     os.replace(tmp, directory / MARKER)
     return record

@@ -35,6 +35,7 @@ from eagle3.train.dflash_trainer import is_dflash_checkpoint, load_dflash_checkp
 from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping
 from eagle3.online.feed import GIB, OnlineConfig, OnlineData, OnlineDataError, OnlineSample, check_buffer, plan_text
+from eagle3.online.remote import clear_buffer
 from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from eagle3.engine.client import EngineGone
@@ -208,12 +209,16 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
     capture = None if remote else _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size,
                                                  None if cpus is None else cpus[0],
                                                  images or "heldout_samples_file" in extracted.stats)  # extract's engine
-    with trainer_on(None if cpus is None else cpus[1]):
-        yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None,
-                         capture=capture, buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
-                         aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size, storage_dtype=storage,
-                         producer=setup.online.producer, remote_wait_s=setup.online.remote_wait_s,
-                         capture_images=None if capture is None else capture.capture_images)
+    try:
+        with trainer_on(None if cpus is None else cpus[1]):
+            yield OnlineData(samples=samples, kept=kept, kept_store=extracted.path / "train" if kept else None,
+                             capture=capture, buffer_dir=folder, buffer_bytes=int(setup.online.buffer_gib * GIB),
+                             aux_layer_ids=list(info.aux_layer_ids), hidden_size=info.hidden_size,
+                             storage_dtype=storage, producer=setup.online.producer,
+                             remote_wait_s=setup.online.remote_wait_s,
+                             capture_images=None if capture is None else capture.capture_images)
+    finally:  # also when no feed opened (resumed at its last step): a killed run's shards and feed files go
+        clear_buffer(folder)
 
 
 class _EngineCapture:

@@ -92,8 +92,10 @@ def save_checkpoint(
     os.replace(tmp, final)
     fsync_path(root)
     for stale in list_checkpoints(root)[:-keep]:
-        if stale.name not in protect:
-            shutil.rmtree(stale)
+        if stale.name not in protect:  # renamed first: a kill mid-delete leaves a dot folder, not half a checkpoint
+            old = root / f".{stale.name}.old-{os.getpid()}"
+            os.replace(stale, old)
+            shutil.rmtree(old)
     return final
 
 
@@ -169,8 +171,8 @@ def latest_valid_checkpoint(root: Path) -> Checkpoint | None:
 
 
 def clean_temporaries(root: Path) -> None:
-    """Remove half-written checkpoint folders left by a killed run."""
+    """Remove what a killed run left under `root`: half-written checkpoint folders, and half-deleted ones."""
     root = Path(root)
     if root.is_dir():
-        for tmp in root.glob(".step-*.tmp-*"):
+        for tmp in [*root.glob(".step-*.tmp-*"), *root.glob(".step-*.old-*")]:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.artifacts import atomic_write_text
+from eagle3.artifacts import atomic_write_text, remove_write_temporaries
 from eagle3.capture.store import shard_header
 from eagle3.draft.batches import next_batch_indices
 from eagle3.online.feed import (
@@ -49,6 +49,7 @@ from eagle3.online.feed import (
 
 log = logging.getLogger(__name__)
 FEED_FILE, CURSOR_FILE, SAMPLES_FILE = "feed.json", "cursor.json", "samples.jsonl"
+FEED_FILES = (FEED_FILE, CURSOR_FILE, SAMPLES_FILE)
 POLL_S = 0.02
 
 
@@ -65,11 +66,19 @@ def buffer_bytes_on_disk(folder: Path) -> int:
     return total
 
 
-def _remove_temporaries(folder: Path) -> None:
-    """The feed files' temporaries (atomic_write_text's `.<name>.tmp-<pid>-<thread>`) that a killed trainer left."""
-    for name in (FEED_FILE, CURSOR_FILE, SAMPLES_FILE):
-        for path in folder.glob(f".{name}.tmp-*"):
-            path.unlink(missing_ok=True)
+def clear_buffer(folder: Path) -> None:
+    """What a feed leaves in its buffer folder, local or remote, removed: feed.json first (a worker then stops), the
+    shards, the cursor and samples, a killed writer's temporaries; then the folder if that left it empty (a folder
+    of the user's keeps its other files), and the default's online_buffer/ when no other run's buffer is in it."""
+    (folder / FEED_FILE).unlink(missing_ok=True)
+    remove_shards(folder)
+    for name in (CURSOR_FILE, SAMPLES_FILE):
+        (folder / name).unlink(missing_ok=True)
+    remove_write_temporaries(folder, FEED_FILES)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+        if folder.parent.name == "online_buffer":
+            folder.parent.rmdir()
 
 
 class RemoteFeed:
@@ -82,7 +91,7 @@ class RemoteFeed:
         self.kept_locations = kept_locations(data)
         self.stream = secrets.token_hex(4)
         remove_shards(self.folder)  # an earlier stream's: this one starts at the checkpoint's cursor
-        _remove_temporaries(self.folder)  # a killed trainer's half-written cursor (SIGKILL inside its fsync)
+        remove_write_temporaries(self.folder, FEED_FILES)  # a killed trainer's half-written cursor (SIGKILL in fsync)
         self.done: set[int] = set()
         self.lock = threading.Lock()
         self.closed = False
@@ -141,18 +150,10 @@ class RemoteFeed:
             self._write_cursor()
 
     def close(self) -> None:
-        """Nothing of the feed outlives the run: shards, feed.json (a worker then stops), cursor, samples, folder."""
+        """Nothing of the feed outlives the run (clear_buffer)."""
         with self.lock:  # no cursor write after this (consumed)
             self.closed = True
-            (self.folder / FEED_FILE).unlink(missing_ok=True)
-            remove_shards(self.folder)
-            for name in (CURSOR_FILE, SAMPLES_FILE):
-                (self.folder / name).unlink(missing_ok=True)
-            _remove_temporaries(self.folder)
-        with contextlib.suppress(OSError):
-            self.folder.rmdir()
-            if self.folder.parent.name == "online_buffer":
-                self.folder.parent.rmdir()
+            clear_buffer(self.folder)
 
     def stats(self) -> dict[str, float]:
         return {"tokens_captured": self.tokens_captured, "capture_seconds": 0.0, "buffer_peak_bytes": self.peak_bytes}

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.artifacts import fsync_path
+from eagle3.artifacts import fsync_path, remove_write_temporaries
 from eagle3.capture.store import StoreReader, read_shard_sample
 from eagle3.draft.batches import next_batch_indices
-from eagle3.draft.checkpoint import checkpoint_name
+from eagle3.draft.checkpoint import checkpoint_name, clean_temporaries
 from eagle3.draft.dflash import (
     DFlashConfig,
     DFlashDraft,
@@ -142,7 +142,7 @@ class _Batches:
 def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer | MuonWithAdamW, out_dir: Path, step: int,
           position: dict[str, int]) -> Path:
     final = out_dir / "checkpoints" / checkpoint_name(step)
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")  # clean_temporaries' pattern
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS),
@@ -190,6 +190,8 @@ def train_dflash(config: TrainConfig, *, store_dir: Path, target_dir: Path, head
     started = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    clean_temporaries(out_dir / "checkpoints")  # what a killed run left: half-written checkpoints and log rewrites
+    remove_write_temporaries(out_dir, (LOSSES, EVALS))
     if online is None:
         rows = _samples(Path(store_dir))
         aux_layer_ids, lengths = rows.reader.aux_layer_ids, rows.lengths

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.artifacts import atomic_write_text
+from eagle3.artifacts import atomic_write_text, remove_write_temporaries
 from eagle3.capture.store import StoreReader
 from eagle3.train import ddp
 from eagle3.draft.batches import BatchStream
@@ -275,8 +275,9 @@ def _train_step(run: _Run, stream: BatchStream) -> tuple[float, list[float], flo
 
 def _resume(run: _Run, out_dir: Path) -> int | None:
     """Load the newest valid checkpoint into `run`; returns its step (None when starting fresh)."""
-    if run.ctx.is_main:
+    if run.ctx.is_main:  # a killed run's leftovers: checkpoint folders, and the logs' rewrites (_write_jsonl)
         clean_temporaries(out_dir / CHECKPOINTS)
+        remove_write_temporaries(out_dir, (LOSSES, EVALS))
     ddp.barrier(run.ctx)
     found: Checkpoint | None = latest_valid_checkpoint(out_dir / CHECKPOINTS)
     low, high = ddp.spread(-1 if found is None else found.step, run.ctx)

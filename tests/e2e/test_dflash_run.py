@@ -8,7 +8,8 @@ One run through the CLI (about a minute on 2 cores), then what a user sees of it
   did not change;
 - the same command again is Cached at every stage;
 - a DFlash training killed after a checkpoint resumes there and ends with the losses and weights of one that was
-  never killed (train_dflash with stop_after, on the run's own store), with AdamW and with Muon;
+  never killed (train_dflash with stop_after, on the run's own store), with AdamW and with Muon, and what a kill
+  inside a write would have left (a half-written checkpoint, the logs' temporaries) is gone;
 - settings that cannot work are refused before any stage, naming the setting, and nothing is written;
 - the EAGLE-3 drafts' train fingerprints are those from before the setting existed (so no cached draft retrains);
 - the nightly warm start: training from the export starts at its weights; an export of another shape is refused.
@@ -98,9 +99,16 @@ def test_a_killed_dflash_training_resumes_to_the_uninterrupted_result(optimizer,
     straight = train_dflash(config, out_dir=tmp_path / "straight", **paths)
     killed = train_dflash(config, out_dir=tmp_path / "killed", stop_after=3, **paths)
     assert killed.steps_done == 3
+    # what a SIGKILL inside a write leaves: a half-written checkpoint folder, the logs' rewrite temporaries
+    half = tmp_path / "killed" / "checkpoints" / ".step-000006.tmp-999999"
+    half.mkdir()
+    leftovers = [half, tmp_path / "killed" / ".evals.jsonl.tmp-999999-1", tmp_path / "killed" / ".losses.jsonl.tmp-9-1"]
+    for path in leftovers[1:]:
+        path.write_text('{"step": 4')
     resumed = train_dflash(config, out_dir=tmp_path / "killed", **paths)
     assert resumed.resumed_from_step == 3 and resumed.steps_done == 6
     assert resumed.losses == pytest.approx(straight.losses, abs=1e-6)
+    assert [p.name for p in leftovers if p.exists()] == []
     ours = load_file(str(resumed.checkpoint / WEIGHTS))
     theirs = load_file(str(straight.checkpoint / WEIGHTS))
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in theirs)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.artifacts import StageRecord, building, mark_complete, read_complete
+from eagle3.artifacts import MARKER, StageRecord, building, mark_complete, read_complete
 
 
 def test_failed_build_leaves_nothing_under_the_final_name(tmp_path: Path):
@@ -31,6 +31,19 @@ def test_truncated_or_deleted_file_makes_the_artifact_absent(tmp_path: Path):
     assert read_complete(final) is not None
     (final / "b.bin").unlink()
     assert read_complete(final) is None
+
+
+def test_a_marker_half_written_by_a_killed_run_does_not_spoil_the_next_one(tmp_path: Path):
+    """An artifact built in place (train, extract) whose run was killed between writing the marker's temporary and
+    renaming it: the next run's marker must not list that temporary, or the finished artifact reads as absent."""
+    final = tmp_path / "train" / "fp"
+    final.mkdir(parents=True)
+    (final / "a.bin").write_bytes(b"0123456789")
+    (final / f".{MARKER}.tmp").write_text('{"record": {"stage": "tr')  # the killed run's
+    mark_complete(final, StageRecord(stage="train", uri=str(final), fingerprint="fp", stats={"n": 2}))
+    record = read_complete(final)
+    assert record is not None and record.stats == {"n": 2}
+    assert sorted(p.name for p in final.iterdir()) == [MARKER, "a.bin"]
 
 
 def test_the_run_summary_says_how_many_source_rows_were_skipped_and_where_the_list_is(tmp_path):

@@ -234,3 +234,13 @@ def test_a_dflash_draft_trained_online_or_hybrid_gives_the_store_runs_losses(wor
     assert record.stats["method"] == "dflash" and record.stats["data"] == data
     assert record.stats["tokens_captured"] > 0
     assert not (tmp_path / data / "online_buffer").exists()
+    if data == "online":  # killed after its last checkpoint, before the stage's marker: what its feed left goes too
+        from eagle3.artifacts import MARKER
+
+        (record.path / MARKER).unlink()
+        buffer = tmp_path / data / "online_buffer" / record.fingerprint
+        buffer.mkdir(parents=True)
+        (buffer / "batch-00000007.safetensors").write_bytes(b"the killed run's")
+        again, _ = _train(world, extracted, data, tmp_path / data, buffer_gib=2 * _one_shard(world) / GIB, draft=DFLASH)
+        assert again.stats["resumed_from_step"] == TRAIN["steps"] and not again.stats.get("tokens_captured")
+        assert not (tmp_path / data / "online_buffer").exists()

@@ -80,6 +80,26 @@ def test_a_truncated_latest_checkpoint_is_skipped_with_a_warning(tmp_path, caplo
         torch.testing.assert_close(_final_weights(resumed)[name], tensor, rtol=0, atol=1e-6)
 
 
+def test_what_a_kill_mid_write_leaves_is_gone_once_the_run_resumes(tmp_path):
+    """A SIGKILL can land inside any write: a checkpoint folder being written, a pruned one being deleted (renamed to
+    a dot name first), or the rewrite of losses.jsonl / evals.jsonl (atomic_write_text's temporary). Planted as such
+    a kill leaves them, they are gone after the resumed run, which ends as one never stopped."""
+    straight = _train(tmp_path / "straight")
+    out = tmp_path / "run"
+    _train(out, stop_after=8)
+    leftovers = [out / "checkpoints" / ".step-000012.tmp-999999", out / "checkpoints" / ".step-000004.old-999999"]
+    for folder in leftovers:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    leftovers += [out / ".losses.jsonl.tmp-999999-1", out / ".evals.jsonl.tmp-999999-1"]
+    for path in leftovers[2:]:
+        path.write_text('{"step": 9, "lo')
+    resumed = _train(out)
+    assert resumed.resumed_from_step == 8 and resumed.losses == pytest.approx(straight.losses, abs=1e-6)
+    assert [p.name for p in leftovers if p.exists()] == []
+    assert not [p.name for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if p.name.startswith(".")]
+
+
 def test_only_the_last_two_checkpoints_are_kept_and_they_load_weights_only(tmp_path):
     result = _train(tmp_path / "run")
     names = [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")]
