@@ -17,13 +17,12 @@ What the tests show:
   flow run has an idempotency key) instead of starting more;
 - the same command again: every stage Cached, no target loaded, no part run started;
 - one worker SIGKILLed (its process group: worker, flow run, engine) once its part's first shard is
-  in the bucket: its run is set Crashed by the heartbeat automation, the part is started again and
-  completes on the other worker, the store is still equal, the shards that were in the bucket are
-  still there, and nothing is under a temporary name. In the runs looked at, the tiny part had
-  finished extracting before the kill landed: the retried part's extract came back Cached from the
-  bucket, with no target load (its summary.json). The resume of a half-written store on another
-  machine (shards and manifest brought down, checked by sha256, kept) is shown by
-  tests/eagle3/test_storage.py and the store's own resume tests, not by this e2e kill;
+  on that machine's disk, while it extracts: its run is set Crashed by the heartbeat automation, the
+  part is started again and completes on the other worker, the store is still equal, the shards that
+  were in the bucket at the kill are still there, and nothing is under a temporary name. (Timed by the
+  bucket instead, the kill could land after the tiny part had finished, and its run would complete.)
+  The resume of a half-written store on another machine (shards and manifest brought down, checked
+  by sha256, kept) is shown by tests/eagle3/test_storage.py and the store's own resume tests;
 - `eagle3 sweep --preset tiny --grid train.learning_rate=1e-3,3e-3 --on-workers` with `artifact_root`
   in the bucket, stopped by Ctrl-C once both point runs exist and one runs (it exits 130 before they
   end: its `point` tasks end Crashed) and started again: the parent extracts once (one target load,
@@ -317,15 +316,15 @@ def test_a_dead_worker_s_part_completes_on_the_other_one(cluster, one_machine_st
     def output() -> str:
         return (tmp_path / "parent.out").read_text()[-3000:] + (tmp_path / "parent.err").read_text()[-6000:]
     bucket, deadline, victim = _bucket(), time.time() + 600, None
-    while victim is None:  # the first shard of a part in the bucket: kill the machine extracting it
-        assert parent.poll() is None and time.time() < deadline, output()
-        for worker in workers.values():
+    while victim is None:  # a part's first shard on its machine's disk: kill that machine while it extracts (a
+        assert parent.poll() is None and time.time() < deadline, output()  # kill timed by the bucket could land
+        for worker in workers.values():  # after the part had finished, and its run would not crash)
             for folder in (worker.folder / "eagle3-parts").glob("*/part-*/artifacts/extract/*"):
-                name = f"{BUCKET}/one-dies/extract/{folder.name}"
-                if bucket.exists(name) and any("shard-" in n for n in bucket.find(name)):
-                    victim, shards_before = worker, {n for n in bucket.find(name) if "shard-" in n}
-        time.sleep(0.5)
+                if any(folder.glob("*/shard-*.safetensors")):
+                    victim, name = worker, f"{BUCKET}/one-dies/extract/{folder.name}"
+        time.sleep(0.05)
     victim.kill()
+    shards_before = {n for n in bucket.find(name) if "shard-" in n} if bucket.exists(name) else set()
     try:
         parent.wait(timeout=900)
     finally:

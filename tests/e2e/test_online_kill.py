@@ -25,8 +25,10 @@ from safetensors.torch import load_file
 from eagle3.engine.registry import is_live, live_engines
 from tests.e2e.conftest import run_cli, start_cli
 
+# target.keep_warm_s: a killed run's engine waits that long for the same command to attach; the default's 60 s can
+# pass on a loaded 2-core machine before the second run reaches its first capture (a finished run stops it anyway)
 ONLINE = ["--preset", "tiny", "--set", "train.data=online", "--set", "online.buffer_gib=0.001",
-          "--set", "regenerate.enabled=false"]
+          "--set", "regenerate.enabled=false", "--set", "target.keep_warm_s=600"]
 
 
 @pytest.fixture(scope="module")

@@ -83,11 +83,13 @@ def _kill_mid_extraction(run_dir: Path, env: dict[str, str], log: Path, *extra: 
         raise AssertionError(f"no shard written in 400 s:\n{log.read_text()[-3000:]}")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert done < total, f"the extraction finished ({done}/{total}) before the kill: nothing was tested"
     deadline = time.time() + 120  # a guard against processes that never go; they follow in seconds
     while _session_processes(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
     assert _session_processes(proc.pid) == [], "processes of the killed run are still alive"
+    # counted again now that nothing of the run is left: a shard can be listed between the count above and the kill
+    done, total = _listed(run_dir)
+    assert done < total, f"the extraction finished ({done}/{total}) before the kill: nothing was tested"
     return done, total
 
 

@@ -69,6 +69,11 @@ def when_file(pattern: str, count: int = 1) -> Trigger:
     return lambda run_dir, printed: len(list(run_dir.glob(pattern))) >= count
 
 
+def any_of(*triggers: Trigger) -> Trigger:
+    """When any of `triggers` holds."""
+    return lambda run_dir, printed: any(trigger(run_dir, printed) for trigger in triggers)
+
+
 def building_target() -> Trigger:
     """When the builtin target's temporary build folder appears in the run's own (fresh) target cache."""
     return lambda run_dir, printed: any(run_dir.parent.glob(f"{run_dir.name}-cache/.tiny-llama-*.tmp-*"))

