@@ -60,6 +60,11 @@ def _is_temporary(relative: str) -> bool:
     return any(part.startswith(".") for part in Path(relative).parts)
 
 
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    """A local file's bytes, as far as its stat tells: hard links share all four; a new file on a reused inode does not."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 class RemoteRoot:
     """The artifact root at `url`, mirrored into the local folder `local` (see module docstring)."""
 
@@ -76,7 +81,9 @@ class RemoteRoot:
             raise StorageError(f"{setting}={url!r}: the artifact root cannot be written ({type(err).__name__}: {err}); "
                                "check that this machine reaches it, or set a local folder") from None
         self._uploaded: dict[str, tuple[int, int]] = {}  # remote path -> (size, mtime_ns) of what went up
-        self._objects: dict[tuple[int, int], str] = {}  # local (device, inode) -> an object in the bucket with its bytes
+        # a local file (device, inode, size, mtime) -> an object in the bucket with its bytes. Size and mtime too: a
+        # file deleted or replaced (a store's manifest rewritten) frees its inode, and a new file can get it
+        self._objects: dict[tuple[int, int, int, int], str] = {}
         self._lock = threading.Lock()
 
     # -- names -------------------------------------------------------------------------
@@ -147,7 +154,7 @@ class RemoteRoot:
         stat = local.stat()
         with self._lock:  # it is in the bucket already: following() need not send it back
             self._uploaded[remote] = (stat.st_size, stat.st_mtime_ns)
-            self._objects[(stat.st_dev, stat.st_ino)] = remote
+            self._objects[_identity(stat)] = remote
 
     def pull(self, stage: str, fp: str) -> bool:
         """Make the local mirror hold the artifact when the bucket has it whole; True when it then does.
@@ -187,14 +194,14 @@ class RemoteRoot:
         with self._lock:
             if self._uploaded.get(remote) == key and not force:
                 return
-            twin = self._objects.get((stat.st_dev, stat.st_ino))
+            twin = self._objects.get(_identity(stat))
         if twin is not None and twin != remote:  # a hard link of a file in the bucket (assemble): copied there, not sent
             self.fs.copy(twin, remote)  # server-side on object stores (S3 CopyObject, GCS rewrite)
         else:
             self.fs.put_file(str(path), remote)  # one object, whole once this returns
         with self._lock:
             self._uploaded[remote] = key
-            self._objects.setdefault((stat.st_dev, stat.st_ino), remote)
+            self._objects.setdefault(_identity(stat), remote)
 
     def _finished_files(self, local: Path) -> list[Path]:
         """The whole files of a local artifact folder, indexes (manifest.json) after what they list."""

@@ -103,6 +103,28 @@ def test_hard_links_are_copied_inside_the_bucket(url, tmp_path):
     assert mirror.fs.cat_file(f"{mirror.remote_dir('assemble', 'j1')}/p0000-shard-00000.safetensors") == b"a" * 100
 
 
+def test_a_new_file_on_the_inode_of_one_that_came_down_is_sent_with_its_own_bytes(url, tmp_path):
+    """A part killed mid-extraction is resumed on another machine: its manifest comes down (pull_partial), the store
+    rewrites it (the old inode is freed) and a new shard can get that inode number. The push must send the new
+    shard's bytes, not copy the old manifest's object over it (CI once saw the resumed artifact "not whole" in the
+    bucket). Simulated: the file that came down is renamed to the new shard's name and given other bytes."""
+    folder = tmp_path / "a" / "extract" / "f3" / "train"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"shards": [None, None]}))
+    RemoteRoot(url, tmp_path / "a").upload_finished("extract", "f3")  # the dying machine's partial upload
+    taker = RemoteRoot(url, tmp_path / "b")
+    assert taker.pull_partial("extract", "f3") == 1
+    done = tmp_path / "b" / "extract" / "f3"
+    os.replace(done / "train" / "manifest.json", done / "train" / "shard-00001.safetensors")  # same inode, new file
+    (done / "train" / "shard-00001.safetensors").write_bytes(b"n" * 70)
+    (done / "train" / "manifest.json").write_text(json.dumps({"shards": ["shard-00000", "shard-00001"]}))
+    (done / "train" / "shard-00000.safetensors").write_bytes(b"o" * 60)
+    mark_complete(done, StageRecord(stage="extract", uri=str(done), fingerprint="f3"))
+    taker.push("extract", "f3")
+    assert taker.is_whole("extract", "f3")
+    assert taker.fs.cat_file(f"{taker.remote_dir('extract', 'f3')}/train/shard-00001.safetensors") == b"n" * 70
+
+
 def test_a_bucket_that_cannot_be_written_is_named_with_the_setting(tmp_path):
     with pytest.raises(StorageError, match=r"artifact_root='nosuchproto://x': cannot open this URL"):
         open_root("nosuchproto://x", tmp_path)
