@@ -155,8 +155,14 @@ class StoreRows(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         sample = self.reader[i]
-        n = len(self.reader.aux_layer_ids)
-        return sample.input_ids.long(), sample.loss_mask.bool(), sample.hidden_states[:, :n].float()
+        return as_row(sample.input_ids, sample.loss_mask, sample.hidden_states, len(self.reader.aux_layer_ids))
+
+
+def as_row(ids: torch.Tensor, mask: torch.Tensor, states: torch.Tensor, n_aux: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stored sample as the DFlash trainer and evaluation take it: token ids, loss mask, aux states float32
+    [T, n_aux, H] (the stored final layer dropped)."""
+    return ids.long(), mask.bool(), states[:, :n_aux].float()
 
 
 @dataclass(frozen=True)

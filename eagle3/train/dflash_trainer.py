@@ -56,6 +56,7 @@ from eagle3.draft.settings import DraftSettings
 from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
 from eagle3.evaluate.dflash_eval import (
     StoreRows,
+    as_row,
     blocks_for,
     heldout_figures,
 )
@@ -135,8 +136,7 @@ class _Batches:
         return [(ids[:cut], mask[:cut], aux[:cut]) for ids, mask, aux in rows]
 
     def _read(self, path: str, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids, mask, states = read_shard_sample(Path(path), j)  # as StoreRows reads a store's
-        return ids.long(), mask.bool(), states[:, :self.n_aux].float()
+        return as_row(*read_shard_sample(Path(path), j), self.n_aux)  # as StoreRows reads a store's
 
 
 def _save(model: DFlashDraft, optimizer: torch.optim.Optimizer | MuonWithAdamW, out_dir: Path, step: int,
