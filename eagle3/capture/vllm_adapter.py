@@ -184,13 +184,24 @@ def _new_llm(vllm, **engine_args):  # noqa: ANN001, ANN003, ANN202 - the vllm mo
     """`vllm.LLM(**engine_args)`, leaving torch's default dtype as it was: vLLM builds the model under the target's
     dtype, and on the H200 (vLLM 0.25, bfloat16 DeepSeek/Kimi targets) the stages after an in-process load saw
     tensors made without a dtype come out other than float32 (the target head's norm probe failed until this and an
-    explicit dtype in the probe were added)."""
+    explicit dtype in the probe were added).
+
+    The objects this process already holds are frozen out of the garbage collector for the load (gc.freeze, as vLLM
+    itself freezes its heap once an engine is up): vLLM runs a full collection six or seven times while it loads, and
+    each one walked this process's whole heap (torch, transformers, Prefect; more in a long-lived process). On the
+    tiny target that was 1.0-1.6 s of a 3.0-3.5 s load on a 2-core EPYC (benchmarks/results/engine-load-gc-*.txt).
+    Unfrozen afterwards whatever happened, so nothing stays out of the collector's reach."""
+    import gc
+
     import torch
 
     before = torch.get_default_dtype()
+    gc.collect()  # what is garbage now is collected before the rest is set aside
+    gc.freeze()
     try:
         return vllm.LLM(**engine_args)
     finally:
+        gc.unfreeze()
         torch.set_default_dtype(before)
 
 
