@@ -189,8 +189,9 @@ def _new_llm(vllm, **engine_args):  # noqa: ANN001, ANN003, ANN202 - the vllm mo
     The objects this process already holds are frozen out of the garbage collector for the load (gc.freeze, as vLLM
     itself freezes its heap once an engine is up): vLLM runs a full collection six or seven times while it loads, and
     each one walked this process's whole heap (torch, transformers, Prefect; more in a long-lived process). On the
-    tiny target that was 1.0-1.6 s of a 3.0-3.5 s load on a 2-core EPYC (benchmarks/results/engine-load-gc-*.txt).
-    Unfrozen afterwards whatever happened, so nothing stays out of the collector's reach."""
+    tiny target that was 1.1-1.4 s of a 2.6-3.2 s load on a 2-core EPYC (benchmarks/results/engine-load-gc-*.txt).
+    Unfrozen afterwards, unless vLLM froze its heap itself at the end of the load (vLLM 0.32's in-process engine
+    core does, and unfreezes it when the engine shuts down): then it stays as vLLM left it."""
     import gc
 
     import torch
@@ -198,11 +199,17 @@ def _new_llm(vllm, **engine_args):  # noqa: ANN001, ANN003, ANN202 - the vllm mo
     before = torch.get_default_dtype()
     gc.collect()  # what is garbage now is collected before the rest is set aside
     gc.freeze()
+    ours = gc.get_freeze_count()
     try:
-        return vllm.LLM(**engine_args)
-    finally:
+        llm = vllm.LLM(**engine_args)
+    except BaseException:
         gc.unfreeze()
+        raise
+    finally:
         torch.set_default_dtype(before)
+    if gc.get_freeze_count() <= ours:  # vLLM froze nothing more (an engine core in another process, older vLLM)
+        gc.unfreeze()
+    return llm
 
 
 _POOL: dict[EngineSpec, object] = {}

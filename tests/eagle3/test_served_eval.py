@@ -162,6 +162,11 @@ def test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged(tmp_path)
         assert f"]({name})" in markdown
         png = (record.path / name).read_bytes()
         assert png.startswith(PNG_MAGIC) and len(png) > 5000
+    # Both engines are shut down and nothing of this process is left frozen out of the garbage collector (each load
+    # freezes the heap for its duration, vllm_adapter._new_llm): what the engines held can be collected.
+    import gc
+
+    assert gc.get_freeze_count() == 0
     import vllm
 
     if not vllm_versions.features(vllm.__version__).per_request_spec_metrics:
