@@ -225,16 +225,20 @@ def test_fused_and_plain_kl_equal_the_definition_with_gradients():
 
 def test_compiled_training_follows_eager_training(tmp_path):
     """train.compile (on by default on CUDA) compiles the TTT step and the loss kernels. Here on the CPU's
-    compiler: the same losses and weights up to rounding, with the step and the loss kernels compiled."""
+    compiler: the same losses and weights up to rounding, with the step and the loss kernels compiled.
+
+    Two TTT steps, not the default three: each TTT step is a graph of its own (it attends to one more set of keys)
+    and each took 15-21 s to compile on a 2-core CPU; two show that a later step's graph follows eager as well as
+    the first's (the test took 58 s on a 2-core EPYC against 75 s with three)."""
     from torch._dynamo.utils import counters
 
-    eager = _train(tmp_path / "eager", steps=6, checkpoint_every=6, grad_accum=2, compile=False)
+    eager = _train(tmp_path / "eager", steps=6, checkpoint_every=6, grad_accum=2, compile=False, ttt_steps=2)
     counters.clear()
-    compiled = _train(tmp_path / "compiled", steps=6, checkpoint_every=6, grad_accum=2, compile=True)
+    compiled = _train(tmp_path / "compiled", steps=6, checkpoint_every=6, grad_accum=2, compile=True, ttt_steps=2)
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
     for name, tensor in _final_weights(eager).items():
         torch.testing.assert_close(_final_weights(compiled)[name], tensor, rtol=1e-4, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] >= 3 + 2  # the step at TTT steps 0, 1, 2; target and KL kernels
+    assert counters["stats"]["unique_graphs"] >= 2 + 2  # the step at TTT steps 0 and 1; target and KL kernels
 
 
 def test_a_compiler_that_fails_names_the_setting_to_train_eagerly(tmp_path, monkeypatch):
