@@ -69,8 +69,8 @@ def main() -> None:
     for ballast in args.ballast:
         rows = {how: [] for how in ("plain", "frozen")}
         for _ in range(args.repeat):  # interleaved, so a slow minute of the machine hits both alike
-            for how in rows:
-                rows[how].append(_load_seconds(model, how, ballast))
+            for how, seconds in rows.items():
+                seconds.append(_load_seconds(model, how, ballast))
         plain, frozen = statistics.median(rows["plain"]), statistics.median(rows["frozen"])
         print(f"{ballast:>16,} {plain:>8.2f} {frozen:>8.2f} {plain - frozen:>8.2f}", flush=True)
 
