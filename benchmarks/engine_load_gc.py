@@ -44,7 +44,8 @@ vllm_adapter.shutdown_engine(llm)
 
 def _load_seconds(model: str, how: str, ballast: int) -> float:
     done = subprocess.run([sys.executable, "-c", CHILD, model, how, str(ballast)], cwd=ROOT, capture_output=True,
-                          text=True, check=False, env=os.environ | {"PYTHONPATH": str(ROOT)})
+                          text=True, check=False,
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     line = next((x for x in done.stdout.splitlines() if x.startswith("LOAD_SECONDS")), None)
     if done.returncode != 0 or line is None:
         raise SystemExit(f"the {how} load failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -651,11 +651,15 @@ def shutdown_engine(llm) -> None:  # noqa: ANN001 - vllm.LLM
 
 def _free_memory() -> None:
     """Collect a dropped engine and hand the CUDA allocator's cached blocks back to the driver: on a GPU the next
-    engine (of this process, or a warm engine's process) sizes its KV cache from the memory the driver says is free."""
+    engine (of this process, or a warm engine's process) sizes its KV cache from the memory the driver says is free.
+    Whatever is still frozen out of the garbage collector is unfrozen first, so the collection reaches the engine's
+    cycles: vLLM 0.25 (H100) and 0.32 (CPU) unfreeze the heap their engine froze when it shuts down, but a load
+    that failed half-way, or a vLLM that does not, would leave it frozen."""
     import gc
 
     import torch
 
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

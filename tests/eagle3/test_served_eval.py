@@ -162,11 +162,13 @@ def test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged(tmp_path)
         assert f"]({name})" in markdown
         png = (record.path / name).read_bytes()
         assert png.startswith(PNG_MAGIC) and len(png) > 5000
-    # Both engines are shut down and nothing of this process is left frozen out of the garbage collector (each load
-    # freezes the heap for its duration, vllm_adapter._new_llm): what the engines held can be collected.
+    # Both engines are shut down and this process's heap is not left frozen out of the garbage collector (each load
+    # freezes it for its duration, vllm_adapter._new_llm): what the engines held can be collected. Not == 0: Python
+    # 3.12 counts a few hundred objects as frozen in a fresh interpreter (375 on the H100 image); a frozen heap is
+    # hundreds of thousands (661,939 at the served check's first load there).
     import gc
 
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() < len(gc.get_objects()) // 100, (gc.get_freeze_count(), len(gc.get_objects()))
     import vllm
 
     if not vllm_versions.features(vllm.__version__).per_request_spec_metrics:
