@@ -189,9 +189,10 @@ def _new_llm(vllm, **engine_args):  # noqa: ANN001, ANN003, ANN202 - the vllm mo
     The objects this process already holds are frozen out of the garbage collector for the load (gc.freeze, as vLLM
     itself freezes its heap once an engine is up): vLLM runs a full collection six or seven times while it loads, and
     each one walked this process's whole heap (torch, transformers, Prefect; more in a long-lived process). On the
-    tiny target that was 1.1-1.4 s of a 2.6-3.2 s load on a 2-core EPYC (benchmarks/results/engine-load-gc-*.txt).
-    Unfrozen afterwards, unless vLLM froze its heap itself at the end of the load (vLLM 0.32's in-process engine
-    core does, and unfreezes it when the engine shuts down): then it stays as vLLM left it."""
+    tiny target that was 1.1-1.4 s of a 2.6-3.2 s load on a 2-core EPYC and 5.5 s of 10.3 s on an H100
+    (benchmarks/results/engine-load-gc-*.txt). Unfrozen afterwards, unless vLLM froze its heap itself during the
+    load (the in-process engine core of vLLM 0.25 on an H100 and of 0.32 on the CPU does, and unfreezes it when the
+    engine shuts down): then it stays as vLLM left it."""
     import gc
 
     import torch
