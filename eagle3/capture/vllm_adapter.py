@@ -63,7 +63,7 @@ class EngineSpec:
     model_dir: str
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
     max_model_len: int
-    kv_cache_gib: float  # CPU: VLLM_CPU_KVCACHE_SPACE; GPU: turned into gpu_memory_utilization by vLLM
+    kv_cache_gib: float  # CPU: the KV cache's size (kv_cache_options); GPU: the preflight's budget
     tensor_parallel_size: int
     trust_remote_code: bool
     seed: int
@@ -78,6 +78,20 @@ class EngineSpec:
     devices: str | None = None
     # vLLM load_format: "auto" (the target's weights); "dummy": random weights, only config.json read (benchmarks)
     load_format: str = "auto"
+
+
+def kv_cache_options(kv_cache_gib: float) -> dict[str, int]:
+    """The KV cache's size for one engine (target.kv_cache_gib, eval.served_kv_cache_gib).
+
+    On the CPU build: exactly `kv_cache_gib`, as vLLM's kv_cache_memory_bytes. It used to go through
+    VLLM_CPU_KVCACHE_SPACE, which holds whole GiB only and, set once in the process, stayed for every later
+    engine: 0.25 became 1 GiB, and the served engines got the capture engine's size. 1 GiB costs more than the
+    tiny targets need: the fresh pages took 1.5-2.6 s of a 3-4 s tiny load on a 2-core EPYC
+    (benchmarks/engine_load_kv.py). A VLLM_CPU_KVCACHE_SPACE the user exports still wins: vLLM reads it over this.
+    On a GPU: nothing (vLLM sizes its cache from gpu_memory_utilization; kv_cache_gib is the preflight's budget)."""
+    from vllm.platforms import current_platform
+
+    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if current_platform.is_cpu() else {}
 
 
 def _import_vllm():  # noqa: ANN202 - the module object
@@ -127,7 +141,6 @@ def mla_attention_backend(model_dir: str, dtype: str, requested: str | None = No
 def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
     # In-process engine: the patched forward and the capture buffers live in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(spec.kv_cache_gib))))
     _tensor_parallel_env(spec)
     vllm = _import_vllm()
     attention_backend = mla_attention_backend(spec.model_dir, spec.dtype, spec.attention_backend)
@@ -147,6 +160,7 @@ def _load(spec: EngineSpec):  # noqa: ANN202 - vllm.LLM
             trust_remote_code=spec.trust_remote_code,
             seed=spec.seed,
             load_format=spec.load_format,
+            **kv_cache_options(spec.kv_cache_gib),
             **vllm_versions.engine_options(vllm_versions.features(vllm.__version__), language_model_only=spec.language_model_only,
                                            attention_backend=attention_backend),
             enable_sleep_mode=spec.enable_sleep_mode,
@@ -521,7 +535,6 @@ def load_serving_engine(
     prompts may carry images (vLLM's multimodal processor needs the target's tokenizer, so it is loaded).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
     if setup.cache_dir:
         os.environ.setdefault("VLLM_CACHE_ROOT", str(setup.cache_dir))
     _cpu_thread_env(setup.tensor_parallel_size)
@@ -562,6 +575,7 @@ def load_serving_engine(
         skip_tokenizer_init=not images,
         speculative_config=speculative,
         attention_backend=attention_backend,
+        **kv_cache_options(kv_cache_gib),
         **per_request,
     )
 

@@ -81,7 +81,7 @@ class TargetConfig(BaseModel):
         default="auto", description="Dtype vLLM runs the target in ('auto': the checkpoint's)"
     )
     max_model_len: int = Field(default=1024, ge=16, description="vLLM max_model_len: longest prompt + answer")
-    kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)")
+    kv_cache_gib: float = Field(default=1.0, gt=0, description="KV-cache budget in GiB: on the CPU the KV cache's size (fractions kept); on a GPU what the preflight reserves")
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM tensor parallel size: GPUs one engine spreads the target over. Must divide "
         "the target's attention heads (checked against its config.json once stage_target has read it)"

@@ -269,6 +269,9 @@ def _wait_exited(served: Served, flow_run_name: str) -> None:
         time.sleep(0.5)
 
 
+OWN_KV_GIB = 0.375  # target.kv_cache_gib of the warm engine below: no other run of the module loads one of this size
+
+
 def test_prefect_retry_of_a_run_whose_extract_failed_attaches_to_its_warm_engine(served: Served, tmp_path: Path):
     """Issue 25, on the path a scheduled or UI run takes: a train-eagle3 deployment run with target.keep_warm_s set
     fails in extract (its artifact folder is a file) after regenerate loaded the target into a warm engine; the
@@ -286,7 +289,7 @@ def test_prefect_retry_of_a_run_whose_extract_failed_attaches_to_its_warm_engine
     (run_dir / "artifacts").mkdir(parents=True)
     (run_dir / "artifacts" / "extract").write_text("a file where the extract artifacts go: the stage cannot write")
     config = build_config("tiny", run_dir=str(run_dir), overrides=[*SMALL, "target.keep_warm_s=300",
-                                                                   "target.kv_cache_gib=2"])
+                                                                   f"target.kv_cache_gib={OWN_KV_GIB}"])
     try:
         with temporary_settings(updates={PREFECT_API_URL: served.api_url}):
             first = run_deployment("train-eagle3/train-eagle3", parameters={"config": config.model_dump(mode="json")},
@@ -311,7 +314,7 @@ def test_prefect_retry_of_a_run_whose_extract_failed_attaches_to_its_warm_engine
         assert loads[1]["engine_pid"] == warm[0]["pid"]
     finally:
         for home, info in live_engines(cache):
-            if info.get("spec", {}).get("kv_cache_gib") == 2:
+            if info.get("spec", {}).get("kv_cache_gib") == OWN_KV_GIB:
                 stop_engine(home, info)
 
 

@@ -27,6 +27,7 @@ from eagle3.capture.store import StoreReader
 from eagle3.data.conversations import read_samples
 from eagle3.data.target import TargetInfo
 from eagle3.gpu.cleanup import OWN_PROCESSES_FILE
+from tests.on_device import KV_CACHE_GIB
 
 ROOT = Path(__file__).resolve().parents[2]
 # regenerate off: its engine is not what is tested here, and each engine load costs CI tens of seconds
@@ -113,7 +114,7 @@ def test_data_parallel_then_tp2_killed_then_tp2_completes_with_the_store_of_one_
     # one TP=1 engine, in this process, over the same prepared samples
     prepared = next(run_dir.glob("artifacts/prepare_data/*"))
     info = TargetInfo.read(next(run_dir.glob("artifacts/stage_target/*")))
-    spec = vllm_adapter.EngineSpec(model_dir=info.model_dir, dtype="float32", max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=info.model_dir, dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     try:
         for split in ("train", "heldout"):

@@ -49,6 +49,7 @@ from eagle3.capture.architectures import TORCHVISION_BLOCKED
 from eagle3.capture.hooks import HiddenStateCapture
 from eagle3.capture.layers import resolve_decoder_stack
 from tests.eagle3 import arch_builders
+from tests.on_device import KV_CACHE_GIB
 
 pytestmark = pytest.mark.matrix
 ATOL = 1e-4  # float32 on both sides
@@ -114,7 +115,7 @@ def _prompts(seed: int, n: int = 3) -> list[list[int]]:
 
 
 def _load(model_dir: Path, dtype: str = "float32"):  # noqa: ANN202 - vllm.LLM
-    spec = vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype=dtype, max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype=dtype, max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     vllm_adapter.release_all()
     return vllm_adapter.acquire(spec)
@@ -261,8 +262,8 @@ def _train_and_export(llm, model_dir: Path, samples: list, out: Path) -> Path:  
     """The project's own stages on the row: extract, target head, vocab, a few train steps, export -> the export folder."""
     from eagle3.draft.export import export_draft
     from eagle3.draft.target_head import extract_target_head
-    from eagle3.train.trainer import TrainConfig, train_draft
     from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
+    from eagle3.train.trainer import TrainConfig, train_draft
 
     _extract(llm, samples, out / "store")
     extract_target_head(model_dir, out / "head.safetensors")
@@ -303,7 +304,8 @@ def test_vllm_serves_our_exported_draft_and_greedy_output_is_unchanged(row, tmp_
         export = _train_and_export(llm, model_dir, _samples(prompts[:12], answers), tmp_path)
         vllm_adapter.release_all()  # one engine at a time: served_acceptance loads the target twice
         served = prompts[:3] + prompts[12:15]
-        return served_acceptance(model_dir, export, served, num_draft_tokens=3, max_new_tokens=16, dtype=dtype)
+        return served_acceptance(model_dir, export, served, num_draft_tokens=3, max_new_tokens=16, dtype=dtype,
+                                 kv_cache_gib=KV_CACHE_GIB)
 
     if name in SERVE_FAILS:
         where, error = SERVE_FAILS[name]

@@ -32,10 +32,17 @@ import torch
 from torch import nn
 
 from eagle3.capture import vllm_adapter
-from eagle3.capture.cpu_kernels import AMX_MLA, CPU_MLA, choose_mla_backend, read_cpu_flags, target_uses_mla
+from eagle3.capture.cpu_kernels import (
+    AMX_MLA,
+    CPU_MLA,
+    choose_mla_backend,
+    read_cpu_flags,
+    target_uses_mla,
+)
 from eagle3.capture.hooks import CaptureError, HiddenStateCapture
 from eagle3.capture.layers import resolve_decoder_stack
 from tests.eagle3 import arch_builders
+from tests.on_device import KV_CACHE_GIB
 
 ATOL = 1e-4  # float32 on both sides; measured max abs error <= 1.3e-7 (module docstring)
 H = arch_builders.HIDDEN
@@ -60,7 +67,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> 
 
 
 def _spec(model_dir: Path, dtype: str = "float32", **overrides: object) -> vllm_adapter.EngineSpec:
-    return vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype=dtype, max_model_len=256, kv_cache_gib=1,
+    return vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype=dtype, max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0, **overrides)
 
 

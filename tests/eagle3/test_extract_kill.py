@@ -20,6 +20,7 @@ from eagle3.capture import vllm_adapter
 from eagle3.capture.extract import ExtractConfig, extract_store
 from eagle3.capture.store import MANIFEST, StoreReader
 from eagle3.data.conversations import TokenizedSample
+from tests.on_device import KV_CACHE_GIB
 
 ROOT = Path(__file__).resolve().parents[2]
 AUX, N, H = [2, 4, 5], 8, 64  # the 8-layer tiny target
@@ -54,7 +55,7 @@ print("stats", stats.shards_written, stats.shards_reused, flush=True)
 
 
 def spec(target: str) -> vllm_adapter.EngineSpec:
-    return vllm_adapter.EngineSpec(model_dir=str(target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+    return vllm_adapter.EngineSpec(model_dir=str(target), dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
 
 

@@ -8,12 +8,19 @@ import pytest
 import torch
 
 from eagle3.capture import vllm_adapter
-from eagle3.capture.extract import ExtractConfig, HostStager, ShardWriterPool, _ShardJob, extract_store
+from eagle3.capture.extract import (
+    ExtractConfig,
+    HostStager,
+    ShardWriterPool,
+    _ShardJob,
+    extract_store,
+)
 from eagle3.capture.hf_source import HFSource, load_hf_target
 from eagle3.capture.hooks import CaptureError
 from eagle3.capture.source import HiddenStateSource, VllmSource, open_source
 from eagle3.capture.store import StoreError, StoreReader, StoreWriter
 from eagle3.data.conversations import TokenizedSample
+from tests.on_device import KV_CACHE_GIB
 
 IDS = [2, 4, 5, 8]  # aux ids of the 8-layer tiny target + the final state (id N)
 H = 64
@@ -26,7 +33,7 @@ def hf_model(tiny_target):
 
 @pytest.fixture(scope="module")
 def engine(tiny_target):
-    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     yield vllm_adapter.acquire(spec)
     vllm_adapter.release_all()

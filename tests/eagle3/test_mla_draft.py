@@ -29,7 +29,16 @@ from eagle3.draft.architecture import DraftArchitectureError, DraftSettings, res
 from eagle3.train.config import TrainConfig
 from tests.eagle3 import arch_builders
 from tests.eagle3.vllm_drafter import first_two_draft_forwards
-from tests.on_device import DTYPE, ON_CUDA, TINY_TRAIN_ON_DEVICE, assert_close, eager_serving, report, v1_model_runner
+from tests.on_device import (
+    DTYPE,
+    KV_CACHE_GIB,
+    ON_CUDA,
+    TINY_TRAIN_ON_DEVICE,
+    assert_close,
+    eager_serving,
+    report,
+    v1_model_runner,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -50,13 +59,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from eagle3.data.conversations import TokenizedSample
     from eagle3.draft.export import export_draft
     from eagle3.draft.target_head import extract_target_head
-    from eagle3.train.trainer import train_draft
     from eagle3.draft.vocab import build_mapping, count_tokens, save_mapping
+    from eagle3.train.trainer import train_draft
 
     root = tmp_path_factory.mktemp("mla")
     dsv3 = arch_builders.build_deepseek_v3(root / "deepseek_v3", num_layers=LAYERS)
     kimi = arch_builders.build_kimi_k25(root / "kimi_k25", num_layers=LAYERS)
-    spec = vllm_adapter.EngineSpec(model_dir=str(dsv3), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(dsv3), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     vllm_adapter.release_all()
     llm = vllm_adapter.acquire(spec)
@@ -108,7 +117,7 @@ def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(tr
     ours, mapping = load_exported_draft(trained["export"])
     with v1_model_runner():
         llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype=DTYPE, max_model_len=64,
-                                               kv_cache_gib=1, speculative_dir=str(trained["export"]),
+                                               kv_cache_gib=KV_CACHE_GIB, speculative_dir=str(trained["export"]),
                                                num_speculative_tokens=2, setup=eager_serving())
     prompt = _prompts(seed=11, n=1, length=13)[0]
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
@@ -139,7 +148,7 @@ def test_vllm_serves_our_mla_draft_beside_mla_targets_and_greedy_output_is_uncha
 
     prompts = _prompts(seed=3, n=12)[:3] + _prompts(seed=5, n=3)  # 3 trained on, 3 unseen
     served = served_acceptance(trained[target], trained["export"], prompts, num_draft_tokens=3, max_new_tokens=16,
-                               dtype=DTYPE, setup=eager_serving())
+                               dtype=DTYPE, setup=eager_serving(), kv_cache_gib=KV_CACHE_GIB)
     report(f"served MLA draft beside {target}", f"{served.identical}/{served.num_prompts} greedy outputs identical, "
            f"acceptance length {served.acceptance_length:.3f}, {DTYPE}")
     assert served.num_prompts == 6 and served.identical == served.num_prompts, served.to_markdown()
@@ -226,7 +235,9 @@ def test_the_draft_setting_keeps_the_llama_style_train_fingerprint_and_names_the
 def test_the_mla_drafts_yarn_rope_is_vllms_deepseek_rope_at_the_real_models_settings(rope: dict):
     """The YaRN of Kimi-K2.5's and DeepSeek-V3's configs: our rotation angles and magnitude against vLLM's own
     DeepseekScalingRotaryEmbedding cache (what the served draft's rope reads) at positions up to 64k (its cache's length)."""
-    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+        DeepseekScalingRotaryEmbedding,
+    )
 
     from eagle3.draft.mla import MLADraftConfig, deepseek_rope
     from eagle3.draft.model import rope_cos_sin
@@ -259,7 +270,9 @@ def test_a_draft_of_a_target_without_yarn_exports_a_rope_every_vllm_loads_and_co
     RoPE as YaRN of factor 1; vLLM's DeepseekScalingRotaryEmbedding at factor 1 gives our plain rotation, the
     softmax scale is unchanged, and reading the export back gives the draft's plain RoPE."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+        DeepseekScalingRotaryEmbedding,
+    )
 
     from eagle3.draft import mla_export
     from eagle3.draft.mla import MLADraftConfig, deepseek_rope
@@ -312,7 +325,7 @@ def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_o
                for t in texts]
     outputs = {}
     for name, draft in (("with", trained["export"]), ("without", None)):
-        llm = vllm_adapter.load_serving_engine(str(kimi), dtype=DTYPE, max_model_len=128, kv_cache_gib=1,
+        llm = vllm_adapter.load_serving_engine(str(kimi), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
                                                speculative_dir=None if draft is None else str(draft),
                                                num_speculative_tokens=0 if draft is None else 3, images=True,
                                                setup=eager_serving())
@@ -341,7 +354,12 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
     from eagle3.data.conversations import DataConfig
     from eagle3.data.target import TargetConfig
     from eagle3.evaluate.acceptance import EvalConfig
-    from tests.eagle3.image_data import build_kimi_with_images, image_row, write_png, write_rows
+    from tests.eagle3.image_data import (
+        build_kimi_with_images,
+        image_row,
+        write_png,
+        write_rows,
+    )
 
     work = trained["work"] / "served-images"
     model = build_kimi_with_images(work / "kimi")  # the same weights as trained["kimi_k25"], a template for images
@@ -360,7 +378,8 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
 
     vllm_adapter.release_all()
     exported = StageRecord(stage="export", uri=str(trained["export"]), fingerprint="mla-draft", stats={})
-    evaluate = EvalConfig(served=True, served_max_new_tokens=12, served_dtype=DTYPE, num_draft_tokens=3)
+    evaluate = EvalConfig(served=True, served_max_new_tokens=12, served_dtype=DTYPE, num_draft_tokens=3,
+                          served_kv_cache_gib=KV_CACHE_GIB)
     record = draft_stages.run_evaluate(evaluate, target, exported, extracted, root,
                                        draft_stages.fingerprint_evaluate(evaluate, exported, extracted))
     served = json.loads((record.path / "acceptance.json").read_text())["served"]

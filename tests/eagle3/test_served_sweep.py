@@ -31,7 +31,7 @@ from tests.eagle3.draft_fixtures import (  # noqa: F401
     tiny_world,
     trained_run,
 )
-from tests.on_device import report
+from tests.on_device import KV_CACHE_GIB, report
 
 EXPORT = "/runs/export"
 
@@ -170,7 +170,7 @@ def test_vllm_sweep_gives_a_row_per_k_and_concurrency_with_greedy_output_unchang
     pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in StoreReader(world.heldout_store))
     prompts = heldout_prompts(pairs, max_prompts=8, max_len=200)
     sweep, changed = served_sweep(world.target_dir, export, prompts, ks=[1, 2], concurrencies=[1, 4],
-                                  max_new_tokens=16, dtype="float32")
+                                  max_new_tokens=16, dtype="float32", kv_cache_gib=KV_CACHE_GIB)
     for row in sweep.rows:
         report("served sweep", f"k={row.k} c={row.concurrency}: acceptance {row.acceptance_length:.3f}, "
                f"{row.tokens_per_second_draft:.1f} tok/s with draft, {row.tokens_per_second_target:.1f} without, "

@@ -22,6 +22,7 @@ from eagle3.data.builtin_targets import (
     ensure_smollm2,
 )
 from eagle3.data.tokenizer_build import CHATML_TEMPLATE
+from tests.on_device import KV_CACHE_GIB
 
 CHAT = [{"role": "user", "content": "Hello, how are you?"}]
 
@@ -153,13 +154,12 @@ def test_fingerprint_refuses_missing_shards_and_missing_weights(tiny, tmp_path):
 def test_vllm_cpu_serves_the_tiny_target_like_transformers(tiny, monkeypatch):
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=str(tiny), dtype="float32", enforce_eager=True, max_model_len=512,
-        enable_prefix_caching=False, distributed_executor_backend="uni",
+        enable_prefix_caching=False, distributed_executor_backend="uni", **vllm_adapter.kv_cache_options(KV_CACHE_GIB),
     )
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=1, ignore_eos=True)
     result = llm.chat(CHAT, params, use_tqdm=False)[0]
@@ -259,7 +259,6 @@ def test_smollm2_converts_once_and_answers_sensibly(tmp_path, monkeypatch):
 
     vllm = pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     chats = load_conversations(DataConfig(max_samples=24))
     prompts = [tokenize_conversation(tokenizer, chat, max_tokens=128).input_ids for chat in chats]
     want = _hf_next_tokens(model, prompts)
@@ -267,7 +266,7 @@ def test_smollm2_converts_once_and_answers_sensibly(tmp_path, monkeypatch):
         llm = vllm_adapter._new_llm(  # vllm.LLM as the pipeline calls it (the heap frozen out of the collector)
             vllm,
             model=str(folder), dtype=dtype, enforce_eager=True, max_model_len=512,
-            enable_prefix_caching=False, distributed_executor_backend="uni",
+            enable_prefix_caching=False, distributed_executor_backend="uni", **vllm_adapter.kv_cache_options(KV_CACHE_GIB),
         )
         if dtype == "float32":
             greedy = vllm.SamplingParams(temperature=0, max_tokens=20)

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from eagle3.capture import vllm_adapter
 from eagle3.capture.hooks import HiddenStateCapture, tensor_parallel_rank
 from eagle3.capture.layers import resolve_decoder_stack
+from tests.on_device import KV_CACHE_GIB
 
 IDS, H = [2, 8], 64
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ PROMPTS = [[10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
 
 @pytest.fixture(scope="module")
 def engine(tiny_target):
-    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=str(tiny_target), dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     yield vllm_adapter.acquire(spec)
     vllm_adapter.release_all()
@@ -64,9 +65,10 @@ import multiprocessing, os, sys, torch
 from eagle3.capture import vllm_adapter
 from eagle3.capture.source import open_source
 from eagle3.capture.tp_capture import TensorParallelVllmSource
+from tests.on_device import KV_CACHE_GIB
 
 def states(tp, prompts):
-    spec = vllm_adapter.EngineSpec(model_dir=sys.argv[1], dtype="float32", max_model_len=256, kv_cache_gib=1,
+    spec = vllm_adapter.EngineSpec(model_dir=sys.argv[1], dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=tp, trust_remote_code=False, seed=0)
     llm = vllm_adapter.acquire(spec)
     source = open_source("vllm", llm, hidden_size=%(H)d, batch_tokens=4096)

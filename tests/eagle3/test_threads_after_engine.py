@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.on_device import KV_CACHE_GIB
+
 pytest.importorskip("vllm")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +77,7 @@ def serve(target: str | None, scratch: str) -> None:
     if target is not None:
         from eagle3.capture import vllm_adapter
 
-        spec = vllm_adapter.EngineSpec(model_dir=target, dtype="float32", max_model_len=256, kv_cache_gib=1,
+        spec = vllm_adapter.EngineSpec(model_dir=target, dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                        tensor_parallel_size=1, trust_remote_code=False, seed=0)
         vllm_adapter.prefill(vllm_adapter.acquire(spec), [[1, 2, 3, 4, 5, 6, 7, 8] * 8] * 4)
         vllm_adapter.release_all()

@@ -24,6 +24,7 @@ from eagle3.capture import vllm_adapter, vllm_versions
 from eagle3.capture.hooks import HiddenStateCapture
 from eagle3.capture.layers import resolve_decoder_stack
 from tests.eagle3 import arch_builders
+from tests.on_device import KV_CACHE_GIB
 
 pytestmark = pytest.mark.vllm_compat
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def _version() -> str:
 
 
 def _spec(model_dir: Path, tp: int = 1) -> vllm_adapter.EngineSpec:
-    return vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype="float32", max_model_len=256, kv_cache_gib=1,
+    return vllm_adapter.EngineSpec(model_dir=str(model_dir), dtype="float32", max_model_len=256, kv_cache_gib=KV_CACHE_GIB,
                                    tensor_parallel_size=tp, trust_remote_code=False, seed=0)
 
 
@@ -103,12 +104,13 @@ def test_tp2_capture_equals_tp1(tiny_target: Path, tmp_path: Path):
 
 
 def test_exported_draft_is_served_with_greedy_output_unchanged(tmp_path: Path):
-    from eagle3.evaluate.acceptance import EvalConfig
     from eagle3.draft_stages import fingerprint_evaluate, run_evaluate
+    from eagle3.evaluate.acceptance import EvalConfig
     from tests.eagle3.test_served_eval import _records
 
     target, exported, extracted = _records(tmp_path)
-    config = EvalConfig(num_draft_tokens=3, served_max_prompts=12, served_max_new_tokens=24, served_dtype="float32")
+    config = EvalConfig(num_draft_tokens=3, served_max_prompts=12, served_max_new_tokens=24, served_dtype="float32",
+                        served_kv_cache_gib=KV_CACHE_GIB)
     record = run_evaluate(config, target, exported, extracted, tmp_path / "artifacts", fingerprint_evaluate(config, exported, extracted))
     served = json.loads((record.path / "acceptance.json").read_text())["served"]
     print(f"vllm {_version()} served identical {served['identical']}/{served['num_prompts']} "

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from tests.on_device import DTYPE, assert_close, eager_serving, v1_model_runner
+from tests.on_device import (
+    DTYPE,
+    KV_CACHE_GIB,
+    assert_close,
+    eager_serving,
+    v1_model_runner,
+)
 
 
 def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, dict, dict]:  # noqa: ANN001 - vllm.LLM
@@ -61,7 +67,7 @@ def assert_vllm_computes_our_llama_draft(export) -> torch.nn.Module:  # noqa: AN
     world = tiny_world()
     vllm_adapter.release_all()
     with v1_model_runner():
-        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=64, kv_cache_gib=1,
+        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=64, kv_cache_gib=KV_CACHE_GIB,
                                                speculative_dir=str(export), num_speculative_tokens=2, setup=eager_serving())
     prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ORDER = ["startup", "gpu_cleanup", "stage_target", "regenerate", "prepare_data", "extract", "gpu_cleanup#2",
          "vocab", "train", "export", "evaluate", "summary"]
 TEMPORARY = re.compile(r"^\..*\.(tmp|building|old)(-|$)|\.tmp$")
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 Trigger = Callable[[Path, list[str]], bool]  # (run dir, stages printed so far) -> the moment has come
 
 
