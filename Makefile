@@ -10,14 +10,14 @@ RUN_DIR ?= runs/demo
 demo: $(STAMP)
 	$(BIN)/eagle3 demo --run-dir $(RUN_DIR)
 
-# Test files run on TEST_WORKERS processes (pytest-xdist, whole files per process): the suite
-# waits on servers and subprocesses much of the time, so 2 processes on 2 cores take ~20 min,
-# against ~35 min one file after another (TEST_WORKERS=0). Each worker loads its own vLLM
-# engines and Prefect servers: more workers need more cores and memory.
+# Test files run on TEST_WORKERS processes (pytest-xdist, whole files per process), the longest
+# files first (tests/conftest.py; --no-loadscope-reorder keeps that order): 2 processes on 2 cores
+# take ~25 min, against ~35 min one file after another (TEST_WORKERS=0). Each worker loads its own
+# vLLM engines and Prefect servers: more workers need more cores and memory.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 # The tests that need CUDA and the CUDA vLLM (docs/gpu-install.md "make test-gpu"), in bfloat16: the vLLM tests of `make test` run again on the
 # GPU (marker vllm) beside the GPU-only ones (marker gpu). On a GPU machine with the `gpu` extra in .venv

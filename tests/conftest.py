@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,16 @@ def tiny_target(builtin_cache: Path) -> Path:
     from eagle3.data.target import TargetConfig, resolve_model_dir
 
     return resolve_model_dir(TargetConfig(model="builtin:tiny"), builtin_cache)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test files longest first (tests/file_seconds.json, measured; scripts/file_seconds.py writes it), the others
+    after them as collected. make test hands whole files to its 2 processes in this order (xdist's loadfile with
+    --no-loadscope-reorder): the long end-to-end files start first and the short ones fill in at the end. In xdist's
+    own order, files with the most tests first, the long files came last, and one process ran the last of them
+    while the other had nothing left."""
+    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0))  # stable: a file's own order is kept
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:  # noqa: ARG001 - pytest's hook signature
