@@ -61,7 +61,10 @@ def served(tmp_path_factory, builtin_cache) -> Served:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
-        "EAGLE3_CACHE_DIR": str(builtin_cache)}
+        "EAGLE3_CACHE_DIR": str(builtin_cache),
+        # the worker `eagle3 serve` starts asks for runs every 2 s, not Prefect's 10 s: each deployment run of the
+        # module waits up to that long before it starts (tests/e2e/test_many_machines.py does the same)
+        "PREFECT_WORKER_QUERY_SECONDS": "2"}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), "--timezone", "Europe/Paris",
                              "--log-dir", str(home / "logs")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
