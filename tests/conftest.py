@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +43,57 @@ def _stop_leftover_engines(cache: Path) -> None:
         warnings.warn(f"a test left the warm engine {home.fingerprint} (pid {info['pid']}) running: stopped it",
                       stacklevel=1)
         stop_engine(home, info)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory) -> str:
+    """A real `prefect server start` on 127.0.0.1 shared by the CLI tests of this process (each CLI process would
+    otherwise start its own temporary server, ~15 s each). It is started as `eagle3 serve` starts its server
+    (flows.prefect_server: Prefect's CLI with the fix of a Prefect 3.7 deadlock on automations, which froze this
+    server for the rest of a CI run on 2026-12-03)."""
+    from tests.e2e.conftest import _free_port
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                        "PREFECT_UI_ENABLED": "false"}
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError((home / "server.log").read_text()[-3000:])
+            time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise RuntimeError("prefect server did not answer /api/health in 120 s")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_tiny_run(prefect_server, builtin_cache, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`eagle3 run --preset tiny` in a new run folder, nothing changed, against the session's server: the run the
+    kill tests and the warm-engine test compare with and whose console the console tests read. Once per test process
+    (it was three runs of the same settings). Read-only: a test that runs again in it works on a copy."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    env = os.environ | {"PREFECT_API_URL": prefect_server, "EAGLE3_CACHE_DIR": str(builtin_cache)}
+    from tests.e2e.conftest import run_cli
+
+    out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir)], env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return run_dir, out
 
 
 @pytest.fixture(scope="session")

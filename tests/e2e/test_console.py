@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,11 +26,8 @@ def env(prefect_server: str, builtin_cache: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> tuple[Path, subprocess.CompletedProcess]:
-    run_dir = tmp_path_factory.mktemp("console") / "run"
-    out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir)], env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return run_dir, out
+def tiny_run(uninterrupted_tiny_run) -> tuple[Path, subprocess.CompletedProcess]:
+    return uninterrupted_tiny_run  # the session's `eagle3 run --preset tiny` (tests/e2e/conftest.py): read only
 
 
 def test_the_console_shows_stages_progress_and_results_and_no_engine_lines(tiny_run):
@@ -85,9 +83,11 @@ def test_a_malformed_yaml_config_is_one_error_line_with_file_and_line(tmp_path: 
     ]
 
 
-def test_verbose_shows_the_engine_lines_too(tiny_run, env: dict[str, str]):
-    """Last: it reruns extract and what follows in the shared run folder (a new shard size), so the engine loads."""
-    run_dir, _ = tiny_run
+def test_verbose_shows_the_engine_lines_too(tiny_run, env: dict[str, str], tmp_path: Path):
+    """It reruns extract and what follows (a new shard size, so the engine loads) in a copy of the shared run
+    folder, which other tests read as it was."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run_dir, symlinks=True)
     out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", "extract.samples_per_shard=4",
                    "--verbose"], env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

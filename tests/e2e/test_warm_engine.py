@@ -1,5 +1,6 @@
 """`eagle3 run` with a warm engine (target.keep_warm_s): a failed extract leaves the target loaded, and the
-same command again attaches instead of loading; its store equals an uninterrupted run's.
+same command again attaches instead of loading; its store equals an uninterrupted run's (the session's, in
+tests/e2e/conftest.py).
 
 The failure is a fake full disk after half the shards (tests/reliability/fail_extract.py). The engines live
 in a cache dir of this module's own (the tiny target linked into it), so no other test's run attaches to them.
@@ -42,7 +43,7 @@ def _loads(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "summary.json").read_text())["target_loads"]
 
 
-def test_a_failed_extract_leaves_a_warm_engine_and_the_same_command_attaches(tmp_path, env):
+def test_a_failed_extract_leaves_a_warm_engine_and_the_same_command_attaches(tmp_path, env, uninterrupted_tiny_run):
     run_dir = tmp_path / "run"
     failed = _run(run_dir, env, *WARM, fail_after=3)  # 7 shards in all (5 train, 2 held-out)
     assert failed.returncode != 0 and "error: extract: [Errno 28] No space left on device" in failed.stderr, failed.stderr
@@ -58,10 +59,9 @@ def test_a_failed_extract_leaves_a_warm_engine_and_the_same_command_attaches(tmp
     assert attached["seconds_saved"] == loaded["seconds"] and attached["loaded_at"] <= attached["time"]
     assert not is_live(engine) and live_engines(Path(env["EAGLE3_CACHE_DIR"])) == []  # a finished run stops it
 
-    uninterrupted = tmp_path / "reference"
-    reference = _run(uninterrupted, env)  # keep_warm_s at its CPU default 0: loaded in the run's own process
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert _loads(uninterrupted)[0]["pid"] != engine["pid"] and live_engines(Path(env["EAGLE3_CACHE_DIR"])) == []
+    uninterrupted, _ = uninterrupted_tiny_run  # the session's `eagle3 run --preset tiny` (tests/e2e/conftest.py)
+    (reference,) = _loads(uninterrupted)  # keep_warm_s at its CPU default 0: loaded in the run's own process
+    assert reference["event"] == "loaded" and reference["pid"] != engine["pid"]
     assert shard_hashes(run_dir) == shard_hashes(uninterrupted) and len(shard_hashes(run_dir)) == 7
 
 

@@ -33,15 +33,8 @@ CHAIN = [
 
 
 @pytest.fixture(scope="module")
-def env(prefect_server, builtin_cache) -> dict[str, str]:
-    return harness.cli_env(prefect_server, builtin_cache)
-
-
-@pytest.fixture(scope="module")
-def reference(env, tmp_path_factory) -> harness.Reference:
-    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    done = harness.run_once(harness.run_args(run_dir, []), env)
-    assert done.returncode == 0, done.output[-3000:]
+def reference(uninterrupted_tiny_run) -> harness.Reference:
+    run_dir, _ = uninterrupted_tiny_run  # the session's: `eagle3 run --preset tiny`, nothing changed
     return harness.reference_of(run_dir)
 
 
