@@ -205,7 +205,7 @@ def online_data(config: TrainConfig, setup: OnlineSetup, target: StageRecord, ex
     if remote:
         say(f"train: online.producer='remote': waiting for a capture worker on {folder}; on the machine with the target: "
             f"eagle3 online-capture --buffer {folder} --model {info.model_dir} --dtype {setup.target_config.dtype} "
-            f"--max-model-len {setup.target_config.max_model_len}")
+            f"--max-model-len {setup.target_config.max_model_len} --kv-cache-gib {setup.target_config.kv_cache_gib:g}")
     capture = None if remote else _EngineCapture(setup, target, info.aux_layer_ids + [info.num_layers], info.hidden_size,
                                                  None if cpus is None else cpus[0],
                                                  images or "heldout_samples_file" in extracted.stats)  # extract's engine

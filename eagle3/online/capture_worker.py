@@ -21,7 +21,7 @@ from eagle3.online.remote import FEED_FILE, run_capture_worker
 
 
 def open_capture(backend: str, model_dir: str, dtype: str, max_model_len: int, aux_layer_ids: list[int],
-                 hidden_size: int, batch_tokens: int) -> Capture:
+                 hidden_size: int, batch_tokens: int, kv_cache_gib: float = 1.0) -> Capture:
     """A Capture over the target loaded here: per prompt the states of the aux ids and the final id N."""
     from eagle3.capture.source import open_source
     from eagle3.draft.target_head import read_target_config
@@ -38,7 +38,7 @@ def open_capture(backend: str, model_dir: str, dtype: str, max_model_len: int, a
         raise ValueError(f"--backend {backend!r}; expected 'vllm' or 'hf'")
     from eagle3.capture import vllm_adapter
 
-    spec = vllm_adapter.EngineSpec(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len, kv_cache_gib=1.0,
+    spec = vllm_adapter.EngineSpec(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                    tensor_parallel_size=1, trust_remote_code=False, seed=0)
     source = open_source("vllm", vllm_adapter.acquire(spec), hidden_size=hidden_size, batch_tokens=1)
     return SourceCapture(source, layer_ids, torch.device("cpu"))  # the engine hands back host tensors
@@ -61,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     parser.add_argument("--dtype", default="auto", help="the target's dtype, as target.dtype")
     parser.add_argument("--max-model-len", type=int, default=4096, help="as target.max_model_len (vllm)")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="as target.kv_cache_gib (vllm)")
     parser.add_argument("--wait-s", type=float, default=600.0, help="how long to wait for the trainer's feed")
     args = parser.parse_args(argv)
     folder = Path(args.buffer)
     feed = _wait_feed(folder, args.wait_s)
     capture = open_capture(args.backend, args.model, args.dtype, args.max_model_len, list(feed["aux_layer_ids"]),
-                           int(feed["hidden_size"]), int(feed["batch_tokens"]))
+                           int(feed["hidden_size"]), int(feed["batch_tokens"]), args.kv_cache_gib)
     print(f"online-capture: target {args.model} loaded ({args.backend}); capturing into {folder}", flush=True)
     written = run_capture_worker(folder, capture, args.wait_s, say=lambda text: print(text, flush=True))
     print(f"online-capture: done, {written} shards", flush=True)

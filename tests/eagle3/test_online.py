@@ -28,8 +28,9 @@ from eagle3.draft.vocab import VocabConfig
 from eagle3.engine import pool
 from eagle3.engine.placement import PlacementError, affinity, split_cpus
 from eagle3.engine.registry import live_engines
+from tests.on_device import KV_CACHE_GIB
 
-TARGET = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32", keep_warm_s=120)
+TARGET = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32", keep_warm_s=120, kv_cache_gib=KV_CACHE_GIB)
 TRAIN = dict(steps=16, checkpoint_every=8, batch_tokens=256, warmup_steps=2, dtype="float32", seed=0)
 
 

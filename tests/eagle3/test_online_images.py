@@ -31,6 +31,7 @@ from eagle3.draft.vocab import VocabConfig
 from eagle3.engine import pool as engine_pool
 from tests.eagle3 import arch_builders
 from tests.eagle3.image_data import build_kimi_with_images, image_row, write_png, write_rows
+from tests.on_device import KV_CACHE_GIB
 
 TRAIN = dict(steps=6, checkpoint_every=6, batch_tokens=64, warmup_steps=1, dtype="float32", seed=0)
 
@@ -47,7 +48,8 @@ def world(tmp_path_factory, builtin_cache):  # noqa: ANN001, ANN201
             image_row("c", b, question="And this one?", answer="A dog on a hill."),
             {"id": "text2", "messages": [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": "It"}]}]
     data = DataConfig(source=str(write_rows(work / "chats.jsonl", rows)), heldout_fraction=0.0)
-    config = TargetConfig(model=str(model), max_model_len=512, dtype="float32", keep_warm_s=120, aux_layer_ids=[1, 2, 3])
+    config = TargetConfig(model=str(model), max_model_len=512, dtype="float32", keep_warm_s=120, aux_layer_ids=[1, 2, 3],
+                          kv_cache_gib=KV_CACHE_GIB)
     root, loads = work / "artifacts", work / "run" / "logs" / "target_loads.jsonl"
     target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
     regen_config = RegenerateConfig(enabled=False)
