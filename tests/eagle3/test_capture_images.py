@@ -34,7 +34,7 @@ from eagle3.engine.client import stop_engine
 from eagle3.engine.registry import live_engines
 from tests.eagle3 import arch_builders
 from tests.eagle3.image_data import build_kimi_with_images, image_row, write_png, write_rows
-from tests.on_device import DEVICE, DTYPE, TORCH_DTYPE, assert_close
+from tests.on_device import DEVICE, DTYPE, KV_CACHE_GIB, TORCH_DTYPE, assert_close
 
 pytestmark = pytest.mark.vllm
 AUX, LAYERS = [1, 2, 3], 4
@@ -61,7 +61,7 @@ def run(tmp_path_factory, builtin_cache):  # noqa: ANN001, ANN201
     rows = [image_row("a", a), image_row("b", b, answer="A tree."), two,
             {"id": "text", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
     data = DataConfig(source=str(write_rows(work / "chats.jsonl", rows)), heldout_fraction=0.0)
-    config = TargetConfig(model=str(model), max_model_len=512, dtype=DTYPE, keep_warm_s=0, aux_layer_ids=AUX)
+    config = TargetConfig(model=str(model), max_model_len=512, dtype=DTYPE, keep_warm_s=0, aux_layer_ids=AUX, kv_cache_gib=KV_CACHE_GIB)
     root, loads = work / "artifacts", work / "loads.jsonl"
     target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
     vllm_adapter.release_all()

@@ -126,7 +126,7 @@ def test_the_regenerate_stage_with_an_endpoint_loads_no_target_and_says_where_it
     from eagle3.data.target import TargetConfig
 
     monkeypatch.setenv(KEY_ENV, "sekret")
-    target_config = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32")
+    target_config = TargetConfig(model="builtin:tiny", max_model_len=256, dtype="float32", kv_cache_gib=KV_CACHE_GIB)
     target = stages.run_stage_target(target_config, builtin_cache, tmp_path, stages.fingerprint_target(target_config))
     data, config = DataConfig(max_samples=6), RegenerateConfig(max_new_tokens=8, endpoint=server, api_key_env=KEY_ENV)
     fp = stages.fingerprint_regenerate(config, data, target, 256)

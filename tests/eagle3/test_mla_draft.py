@@ -366,7 +366,7 @@ def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keep
     rows = [image_row(f"img{i}", write_png(work / f"{i}.png", seed=20 + i), question=f"Question {i}?",
                       answer="A cat on a mat.") for i in range(8)]
     data = DataConfig(source=str(write_rows(work / "chats.jsonl", rows)), heldout_fraction=0.5)
-    config = TargetConfig(model=str(model), max_model_len=512, dtype=DTYPE, keep_warm_s=0, aux_layer_ids=AUX)
+    config = TargetConfig(model=str(model), max_model_len=512, dtype=DTYPE, keep_warm_s=0, aux_layer_ids=AUX, kv_cache_gib=KV_CACHE_GIB)
     root, loads, off = work / "artifacts", work / "loads.jsonl", RegenerateConfig(enabled=False)
     target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
     regen = stages.run_regenerate(off, data, config, target, root, stages.fingerprint_regenerate(off, data, target, 512), loads)

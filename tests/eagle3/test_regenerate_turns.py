@@ -41,6 +41,7 @@ from eagle3.data.conversations import (
 from eagle3.data.target import TargetConfig, TargetInfo
 from eagle3.engine import pool as engine_pool
 from tests.eagle3.thinking_target import build_thinking_target
+from tests.on_device import KV_CACHE_GIB
 
 ON, OFF = {"enable_thinking": True}, {"enable_thinking": False}
 QUESTIONS = [("What is AI?", "Tell me more.", "Thanks, bye."), ("Do you like music?", "Which kind?", "Why?"),
@@ -65,7 +66,7 @@ def staged(thinking: Path, builtin_cache: Path, tmp_path_factory):  # noqa: ANN2
     """(target config, stage_target record, artifact root, load log) of the thinking target; the engine is
     dropped at the end."""
     root = tmp_path_factory.mktemp("artifacts")
-    config = TargetConfig(model=str(thinking), max_model_len=256, dtype="float32", keep_warm_s=0)
+    config = TargetConfig(model=str(thinking), max_model_len=256, dtype="float32", keep_warm_s=0, kv_cache_gib=KV_CACHE_GIB)
     target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
     yield config, target, root, root / "loads.jsonl"
     engine_pool.release_all(keep_warm=False)

@@ -34,7 +34,7 @@ from eagle3.data.target import TargetConfig
 from eagle3.engine import pool as engine_pool
 from eagle3.ops.summary import data_report
 from tests.eagle3.thinking_target import build_thinking_target
-from tests.on_device import DTYPE
+from tests.on_device import DTYPE, KV_CACHE_GIB
 
 SYSTEMS = ["You help people with questions about cooking.", "You help people plan their travels."]
 REGEN = RegenerateConfig(max_new_tokens=8)
@@ -45,7 +45,7 @@ def staged(tiny_target: Path, builtin_cache: Path, tmp_path_factory):  # noqa: A
     """(target config, stage_target record, artifact root, load log) of the tiny target; the engine is dropped at the
     end."""
     root = tmp_path_factory.mktemp("artifacts")
-    config = TargetConfig(model=str(tiny_target), max_model_len=256, dtype=DTYPE, keep_warm_s=0)
+    config = TargetConfig(model=str(tiny_target), max_model_len=256, dtype=DTYPE, keep_warm_s=0, kv_cache_gib=KV_CACHE_GIB)
     target = stages.run_stage_target(config, builtin_cache, root, stages.fingerprint_target(config))
     yield config, target, root, root / "loads.jsonl"
     engine_pool.release_all(keep_warm=False)
@@ -232,7 +232,7 @@ def test_a_template_without_a_user_turn_is_refused_naming_the_setting_with_nothi
                                  "'\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}")
     (no_user / "tokenizer_config.json").write_text(json.dumps(settings))
     root = tmp_path / "artifacts"
-    target_config = TargetConfig(model=str(no_user), max_model_len=256, dtype=DTYPE, keep_warm_s=0)
+    target_config = TargetConfig(model=str(no_user), max_model_len=256, dtype=DTYPE, keep_warm_s=0, kv_cache_gib=KV_CACHE_GIB)
     target = stages.run_stage_target(target_config, builtin_cache, root, stages.fingerprint_target(target_config))
     config = SynthesizeConfig(prompts=4)
 
