@@ -139,14 +139,18 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+# what _quiet_console sets in this process's environment (tests put it back after a test that ran main in-process)
+QUIET_CONSOLE_ENV = ("PREFECT_LOGGING_EXTRA_LOGGERS", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",
+                     "PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL")
+
+
 def _quiet_console(verbose: bool) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")  # the library's logging in the run log
     console.set_engine_echo(verbose)  # engines' lines: engine.log and the run log; the console only if asked
     if not verbose:
         # Prefect logs still reach the server/UI; the console shows our stage lines only.
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
+        for name in QUIET_CONSOLE_ENV[1:]:
+            os.environ.setdefault(name, "CRITICAL")
 
 
 def _print_outcome(state, run_dir: str, verbose: bool) -> int:  # noqa: ANN001 - a prefect State

@@ -20,6 +20,25 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def _console_as_it_was() -> Iterator[None]:
+    """A test that runs `flows.cli.main` in this process (test_sweep's bad grid, test_docs' error lines) makes the
+    console quiet for the rest of the process: engines' output no longer echoed, Prefect's console handlers at
+    CRITICAL. Put back after each test, so that no test depends on which ran before it in its process (with the
+    longest files first, tests/flows/test_gpu_and_logs.py ran after test_sweep.py and saw no child output)."""
+    from flows.cli import QUIET_CONSOLE_ENV
+    from tasks import console
+
+    state, env = dict(console._state), {name: os.environ.get(name) for name in QUIET_CONSOLE_ENV}
+    yield
+    console._state.update(state)
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One cache of builtin targets for the whole session (EAGLE3_CACHE_DIR for subprocesses)."""
