@@ -12,7 +12,7 @@ demo: $(STAMP)
 
 # Test files run on TEST_WORKERS processes (pytest-xdist, whole files per process), the longest
 # files first (tests/conftest.py; --no-loadscope-reorder keeps that order): 2 processes on 2 cores
-# take ~25 min, against ~35 min one file after another (TEST_WORKERS=0). Each worker loads its own
+# take ~23 min, against ~35 min one file after another (TEST_WORKERS=0). Each worker loads its own
 # vLLM engines and Prefect servers: more workers need more cores and memory.
 TEST_WORKERS ?= 2
 
