@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +69,7 @@ def prefect_server(tmp_path_factory) -> str:
     otherwise start its own temporary server, ~15 s each). It is started as `eagle3 serve` starts its server
     (flows.prefect_server: Prefect's CLI with the fix of a Prefect 3.7 deadlock on automations, which froze this
     server for the rest of a CI run on 2026-12-03)."""
+    from flows import local_server
     from tests.e2e.conftest import _free_port
 
     home = tmp_path_factory.mktemp("prefect-home")
@@ -80,18 +80,12 @@ def prefect_server(tmp_path_factory) -> str:
     proc = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError((home / "server.log").read_text()[-3000:])
-            time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise RuntimeError("prefect server did not answer /api/health in 120 s")
+    try:
+        local_server.wait_healthy(url, proc, timeout=120, log=home / "server.log")
+    except local_server.ServerStartError:
+        with contextlib.suppress(ProcessLookupError):  # gone already when it exited before answering
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     yield url
     os.killpg(proc.pid, signal.SIGTERM)
     try:
