@@ -13,7 +13,7 @@ FORBIDDEN = {"prefect", "tasks", "flows", "deployments"}
 
 # eagle3's rooms, lowest first: a module may import its own room and the rooms before it, never one after.
 EAGLE3_ORDER: list[tuple[str, ...]] = [
-    ("eagle3.artifacts", "eagle3.fingerprint", "eagle3.storage"),
+    ("eagle3.artifacts", "eagle3.fingerprint", "eagle3.storage", "eagle3.process_exit"),
     ("eagle3.gpu",),
     ("eagle3.data",),
     ("eagle3.capture",),

@@ -359,4 +359,6 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from eagle3.process_exit import exit_after
+
+    exit_after(main, sys.argv[1])
