@@ -30,8 +30,8 @@ import json
 import os
 import sys
 import traceback
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 from flows import engine_cli
 from flows.local_server import ServerStartError

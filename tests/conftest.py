@@ -71,8 +71,9 @@ def prefect_server(tmp_path_factory) -> str:
     server for the rest of a CI run on 2026-12-03)."""
     from flows import local_server
     from tests.e2e.conftest import _free_port
+    from tests.prefect_home import migrated_home
 
-    home = tmp_path_factory.mktemp("prefect-home")
+    home = migrated_home(tmp_path_factory.mktemp("prefect-home"))
     port = _free_port()
     env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                         "PREFECT_UI_ENABLED": "false"}

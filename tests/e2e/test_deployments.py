@@ -24,6 +24,7 @@ import pytest
 from eagle3.config import build_config
 from tasks.progress import BAR_WIDTH
 from tests.e2e.conftest import ROOT, _free_port
+from tests.prefect_home import migrated_home
 
 SMALL = ["data.max_samples=16", "regenerate.max_new_tokens=8", "train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3",
          "eval.served=false"]
@@ -57,7 +58,7 @@ def _api(url: str):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, builtin_cache) -> Served:
-    home = tmp_path_factory.mktemp("serve")
+    home = migrated_home(tmp_path_factory.mktemp("serve"))
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from flows import local_server
+from tests.prefect_home import migrated_home
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,8 +81,7 @@ class OwnServer:
 
 @pytest.fixture(scope="module")
 def own_server(tmp_path_factory: pytest.TempPathFactory):
-    server = OwnServer(tmp_path_factory.mktemp("own-server") / "prefect-home", local_server._free_port())
-    server.home.mkdir()
+    server = OwnServer(migrated_home(tmp_path_factory.mktemp("own-server") / "prefect-home"), local_server._free_port())
     server.start()
     server.gcl("create", "gpu", "--limit", "1")
     yield server

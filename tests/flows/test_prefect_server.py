@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.prefect_home import migrated_home
+
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("hold_automations_lock.py")
 
@@ -33,7 +35,7 @@ def server_holding_the_lock(tmp_path):
     procs = []
 
     def start(fixed: bool) -> str:
-        proc = subprocess.Popen([sys.executable, str(HELPER), "--port", str(_free_port()), "--home", str(tmp_path),
+        proc = subprocess.Popen([sys.executable, str(HELPER), "--port", str(_free_port()), "--home", str(migrated_home(tmp_path)),
                                  *(["--fixed"] if fixed else [])], cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         procs.append(proc)

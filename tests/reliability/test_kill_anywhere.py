@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.prefect_home import migrated_home
 from tests.reliability import harness
 
 # Three stages that leave partial work on disk when killed; each trigger is an event, so the kill lands
@@ -39,7 +40,7 @@ def reference(uninterrupted_tiny_run) -> harness.Reference:
 
 
 def test_killed_at_three_moments_then_completed_loses_nothing(reference, builtin_cache, tmp_path: Path):
-    no_server = harness.cli_env_without_server(tmp_path / "prefect-home", builtin_cache)
+    no_server = harness.cli_env_without_server(migrated_home(tmp_path / "prefect-home"), builtin_cache)
     outcomes = harness.kill_chain(CHAIN, tmp_path / "run", [], no_server, reference)
     assert [o.hit for o in outcomes] == ["extract", "train", "export"], [(o.moment.name, o.hit) for o in outcomes]
     assert [p for o in outcomes for p in o.problems] == []
