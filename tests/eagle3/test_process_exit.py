@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def _run(body: str) -> subprocess.CompletedProcess:
     script = textwrap.dedent("""
         import atexit, gc, sys
         from eagle3.process_exit import exit_after
@@ -22,22 +22,22 @@ def _run(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_the_exit_code_and_atexit_handlers_are_those_of_a_normal_exit(tmp_path):
-    out = _run("exit_after(lambda: 3)", tmp_path)
+def test_the_exit_code_and_atexit_handlers_are_those_of_a_normal_exit():
+    out = _run("exit_after(lambda: 3)")
     assert out.returncode == 3
     assert out.stdout.splitlines() == ["atexit ran, frozen True"]
-    assert _run("exit_after(lambda: None)", tmp_path).returncode == 0
+    assert _run("exit_after(lambda: None)").returncode == 0
 
 
-def test_a_system_exit_inside_main_keeps_its_code_and_a_message_is_printed(tmp_path):
-    stopped = _run("def main():\n    sys.exit(143)\nexit_after(main)", tmp_path)
+def test_a_system_exit_inside_main_keeps_its_code_and_a_message_is_printed():
+    stopped = _run("def main():\n    sys.exit(143)\nexit_after(main)")
     assert stopped.returncode == 143 and stopped.stdout.splitlines() == ["atexit ran, frozen True"]
-    message = _run("exit_after(lambda: 'error: bad input')", tmp_path)
+    message = _run("exit_after(lambda: 'error: bad input')")
     assert message.returncode == 1 and message.stderr.strip() == "error: bad input"
 
 
-def test_an_exception_propagates_as_without_it(tmp_path):
-    out = _run("def main():\n    raise ValueError('boom')\nexit_after(main)", tmp_path)
+def test_an_exception_propagates_as_without_it():
+    out = _run("def main():\n    raise ValueError('boom')\nexit_after(main)")
     assert out.returncode == 1 and "ValueError: boom" in out.stderr
     assert out.stdout.splitlines() == ["atexit ran, frozen False"]  # the heap is set aside only after main returned
 
@@ -56,6 +56,6 @@ def test_garbage_in_a_reference_cycle_is_still_finalized(tmp_path):
             holder.self = holder  # a cycle: only the collector frees it
             return 0
         exit_after(main)
-    """, tmp_path)
+    """)
     assert out.returncode == 0, out.stderr
     assert path.read_text() == "finalized"
