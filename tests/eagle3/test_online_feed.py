@@ -4,6 +4,7 @@ The real engine's online run is tests/eagle3/test_online.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -56,6 +57,22 @@ def _one_shard() -> int:
     return shard_bytes(TRAIN_KW["batch_tokens"], TRAIN_KW["batch_tokens"], len(AUX_LAYER_IDS) + 1, HIDDEN, torch.float32)
 
 
+def _bytes_in(folder: Path) -> int:
+    """The bytes of the files in `folder` now. A shard renamed into place or consumed between the listing and its
+    stat is skipped: the watcher sees the folder while the feed writes and deletes in it."""
+    total = 0
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        try:
+            total += entry.stat(follow_symlinks=False).st_size if entry.is_file(follow_symlinks=False) else 0
+        except FileNotFoundError:
+            continue
+    return total
+
+
 def test_online_and_hybrid_give_the_store_runs_losses_and_leave_no_shard(tmp_path):
     store = _train(tmp_path / "store")
     calls: list[int] = []
@@ -75,8 +92,7 @@ def test_the_buffer_on_disk_stays_within_its_bound(tmp_path):
 
     def poll():
         while not done.is_set():
-            if data.buffer_dir.exists():
-                peak[0] = max(peak[0], sum(p.stat().st_size for p in data.buffer_dir.iterdir() if p.is_file()))
+            peak[0] = max(peak[0], _bytes_in(data.buffer_dir))
             time.sleep(0.001)
 
     watcher = threading.Thread(target=poll)
