@@ -4,7 +4,6 @@ The real engine's online run is tests/eagle3/test_online.py."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,8 @@ import torch
 
 from eagle3.capture.store import StoreReader, StoreWriter
 from eagle3.online.feed import (OnlineData, OnlineDataError, OnlineSample, check_buffer, kept_samples, plan_text,
-                                      shard_bytes)
+                                shard_bytes)
+from eagle3.online.remote import buffer_bytes_on_disk
 from eagle3.train.trainer import TrainConfig, train_draft
 from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, HIDDEN, TRAIN_KW, one_thread, tiny_world  # noqa: F401
 
@@ -57,22 +57,6 @@ def _one_shard() -> int:
     return shard_bytes(TRAIN_KW["batch_tokens"], TRAIN_KW["batch_tokens"], len(AUX_LAYER_IDS) + 1, HIDDEN, torch.float32)
 
 
-def _bytes_in(folder: Path) -> int:
-    """The bytes of the files in `folder` now. A shard renamed into place or consumed between the listing and its
-    stat is skipped: the watcher sees the folder while the feed writes and deletes in it."""
-    total = 0
-    try:
-        entries = list(os.scandir(folder))
-    except FileNotFoundError:
-        return 0
-    for entry in entries:
-        try:
-            total += entry.stat(follow_symlinks=False).st_size if entry.is_file(follow_symlinks=False) else 0
-        except FileNotFoundError:
-            continue
-    return total
-
-
 def test_online_and_hybrid_give_the_store_runs_losses_and_leave_no_shard(tmp_path):
     store = _train(tmp_path / "store")
     calls: list[int] = []
@@ -92,7 +76,7 @@ def test_the_buffer_on_disk_stays_within_its_bound(tmp_path):
 
     def poll():
         while not done.is_set():
-            peak[0] = max(peak[0], _bytes_in(data.buffer_dir))
+            peak[0] = max(peak[0], buffer_bytes_on_disk(data.buffer_dir))  # skips a shard gone since listing
             time.sleep(0.001)
 
     watcher = threading.Thread(target=poll)
