@@ -399,26 +399,36 @@ def test_a_sweep_on_workers_trains_its_points_side_by_side_and_a_rerun_is_all_ca
     assert len(_runs_of(env, url, "train-eagle3")) == 2
 
 
-def test_bad_settings_fail_before_any_work(cluster, tmp_path):
-    env, _, _ = cluster
-    done = _eagle3(["run", "--preset", "tiny", "--set", "artifact_root=s3://no-such-bucket/x", "--run-dir", "run"],
-                   tmp_path, env)
-    assert done.returncode == 2
-    assert "artifact_root='s3://no-such-bucket/x'" in done.stderr and "bucket" in done.stderr
+def test_bad_settings_fail_before_any_work(cluster, tmp_path, monkeypatch, capsys):
+    """Refusals before any stage, through the CLI's main in this process (the module's bucket and server settings are
+    in os.environ): a refusal starts nothing, so a process of its own per case only added its imports."""
+    from flows.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def refused(args: list[str]) -> str:
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        return err
+
+    err = refused(["run", "--preset", "tiny", "--set", "artifact_root=s3://no-such-bucket/x", "--run-dir", "run"])
+    assert "artifact_root='s3://no-such-bucket/x'" in err and "bucket" in err
     assert not (tmp_path / "run" / "artifacts").exists()  # no stage ran, no target was loaded
     # parts on other workers, artifacts in this run's own folder: they could not reach them
-    done = _eagle3(["run", "--preset", "tiny", "--set", "extract.parts=2", "--run-dir", "run"], tmp_path, env)
-    assert done.returncode == 2 and "extract.parts=2" in done.stderr and "artifact_root is not set" in done.stderr
-    # parts, but no Prefect server configured: a temporary server has no workers, the run would wait forever
-    no_server = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
-    done = _eagle3(["run", "--preset", "tiny", "--set", "extract.parts=2", "--set", f"artifact_root=s3://{BUCKET}/x",
-                    "--run-dir", "run"], tmp_path, no_server)
-    assert done.returncode == 2 and "PREFECT_API_URL" in done.stderr, done.stderr
-    assert not (tmp_path / "run" / "artifacts").exists()
-    # a sweep on workers: the same two refusals
+    err = refused(["run", "--preset", "tiny", "--set", "extract.parts=2", "--run-dir", "run"])
+    assert "extract.parts=2" in err and "artifact_root is not set" in err
+    # a sweep on workers: the same refusal
     sweep = ["sweep", "--preset", "tiny", "--grid", "train.learning_rate=1e-3,3e-3", "--on-workers", "--run-dir", "sw"]
-    done = _eagle3(sweep, tmp_path, env)
-    assert done.returncode == 2 and "--on-workers" in done.stderr and "artifact_root is not set" in done.stderr, done.stderr
-    done = _eagle3([*sweep, "--set", f"artifact_root=s3://{BUCKET}/x"], tmp_path, no_server)
-    assert done.returncode == 2 and "PREFECT_API_URL" in done.stderr, done.stderr
+    err = refused(sweep)
+    assert "--on-workers" in err and "artifact_root is not set" in err, err
+    # parts, or a sweep on workers, but no Prefect server configured: a temporary server has no workers, the run
+    # would wait forever
+    monkeypatch.delenv("PREFECT_API_URL")
+    err = refused(["run", "--preset", "tiny", "--set", "extract.parts=2", "--set", f"artifact_root=s3://{BUCKET}/x",
+                   "--run-dir", "run"])
+    assert "PREFECT_API_URL" in err, err
+    assert not (tmp_path / "run" / "artifacts").exists()
+    err = refused([*sweep, "--set", f"artifact_root=s3://{BUCKET}/x"])
+    assert "PREFECT_API_URL" in err, err
     assert not (tmp_path / "sw").exists()
