@@ -59,8 +59,12 @@ def shard_name(stream: str, k: int) -> str:
 
 def buffer_bytes_on_disk(folder: Path) -> int:
     """What the bound counts: the bytes of every shard (and shard being written) in the folder."""
+    try:
+        paths = [*folder.glob("batch-*.safetensors"), *folder.glob(".batch-*.safetensors.tmp-*")]
+    except FileNotFoundError:  # the folder removed while listed (the feed closed): nothing on disk
+        return 0
     total = 0
-    for path in [*folder.glob("batch-*.safetensors"), *folder.glob(".batch-*.safetensors.tmp-*")]:
+    for path in paths:
         with contextlib.suppress(OSError):  # deleted between listing and stat
             total += path.stat().st_size
     return total
@@ -207,9 +211,10 @@ def _serve_stream(folder: Path, feed: dict, samples: list[OnlineSample], start: 
     consumed, also = 0, set()
     dtype = getattr(torch, feed["storage_dtype"])
     n_states = len(feed["aux_layer_ids"]) + 1
-    for path in folder.glob("batch-*.safetensors"):  # an earlier stream's: its trainer will never read them
-        if not path.name.startswith(f"batch-{stream}-"):
-            path.unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # the folder removed while listed: the feed closed, _changed says so
+        for path in list(folder.glob("batch-*.safetensors")):  # an earlier stream's: its trainer will never read them
+            if not path.name.startswith(f"batch-{stream}-"):
+                path.unlink(missing_ok=True)
     while True:
         now = _read_json(folder / CURSOR_FILE)  # the trainer's progress: never capture what it has consumed
         if now is not None and now.get("stream") == stream:

@@ -236,3 +236,26 @@ def test_a_dflash_draft_stopped_online_resumes_at_its_cursor_with_the_losses_of_
     resumed = run(tmp_path / "stopped", tmp_path / "b2")
     assert resumed.resumed_from_step == 4 and len(resumed.losses) == STEPS
     assert max(abs(a - b) for a, b in zip(resumed.losses, straight.losses, strict=True)) <= 1e-5
+
+
+def test_the_bound_measure_of_a_buffer_removed_while_listed_is_zero_not_an_error(tmp_path):
+    """The capture worker measures the buffer every 20 ms while the trainer may close the feed and remove the folder:
+    removed between the listing's is_dir and its scandir, the folder measured 0 bytes instead of raising
+    FileNotFoundError out of the worker's loop (247 of 20,000 measures raised before the fix)."""
+    folder, stop = tmp_path / "buffer", threading.Event()
+
+    def churn() -> None:  # a feed's lifetime, over and over: the folder, a shard, consumed, the folder removed
+        while not stop.is_set():
+            folder.mkdir(exist_ok=True)
+            (folder / "batch-a-00000000.safetensors").write_bytes(b"x" * 10)
+            (folder / "batch-a-00000000.safetensors").unlink()
+            folder.rmdir()
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        measured = [buffer_bytes_on_disk(folder) for _ in range(20_000)]
+    finally:
+        stop.set()
+        churner.join()
+    assert set(measured) <= {0, 10}
