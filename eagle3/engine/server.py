@@ -127,6 +127,7 @@ class EngineServer:
     def serve(self) -> None:
         listener = self.listen()
         write_info(self.home, self.record | {"ready": True, "socket": str(self.socket_path)})
+        self.idle_since = time.monotonic()  # keep_warm_s counts from when a run can attach, not from the load
         threading.Thread(target=self._accept_loop, args=(listener,), daemon=True).start()
         try:
             while not self.stopping:

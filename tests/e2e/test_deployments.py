@@ -38,6 +38,7 @@ class Served:
     env: dict[str, str]
     log_dir: Path
     lines: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None  # fills `lines` from the process's output; ends at its EOF
 
     def worker_log(self, tail: int | None = 6000) -> str:
         text = (self.log_dir / "worker.log").read_text()
@@ -70,7 +71,8 @@ def served(tmp_path_factory, builtin_cache) -> Served:
                              "--log-dir", str(home / "logs")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = Served(proc, f"http://127.0.0.1:{port}/api", env | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, home / "logs")
-    threading.Thread(target=lambda: out.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    out.reader = threading.Thread(target=lambda: out.lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    out.reader.start()
     deadline = time.time() + 400
     while not any("ready" in line for line in out.lines):
         if proc.poll() is not None or time.time() > deadline:
@@ -326,7 +328,7 @@ def test_ctrl_c_stops_the_worker_and_the_server(served: Served):
     pids = [served.pid("worker"), served.pid("server")]
     served.proc.send_signal(signal.SIGINT)
     assert served.proc.wait(timeout=120) == 0, "".join(served.lines)[-3000:]
-    time.sleep(0.5)
+    served.reader.join(timeout=60)  # every line it printed is in `lines` (its output ended with it)
     assert "stopped worker, server" in "".join(served.lines)
     for pid in pids:
         with pytest.raises(ProcessLookupError):

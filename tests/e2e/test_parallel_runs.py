@@ -30,28 +30,26 @@ from eagle3.gpu.cleanup import OWN_PROCESSES_FILE
 from tests.on_device import KV_CACHE_GIB
 
 ROOT = Path(__file__).resolve().parents[2]
-# regenerate off: its engine is not what is tested here, and each engine load costs CI tens of seconds. 16 samples
-# (13 train, 3 held-out), not the preset's 48: 16 shards leave room for both kills, and the completing run and the
-# TP=1 reference prefill a third as much (the test took 131.5 s with 48, 115.3 s with 16, alone on 2 cores)
-SETTINGS = ["--set", "data.max_samples=16", "--set", "extract.samples_per_shard=1", "--set", "extract.batch_tokens=1",
-            "--set", "train.steps=4", "--set", "regenerate.enabled=false"]
+# regenerate off: its engine is not what is tested here, and each engine load costs CI tens of seconds. The preset's
+# 48 samples, one shard each: with 16, a loaded machine let the TP=2 run write every shard before the kill landed
+SETTINGS = ["--set", "extract.samples_per_shard=1", "--set", "extract.batch_tokens=1", "--set", "train.steps=4",
+            "--set", "regenerate.enabled=false"]
 
 
 def _cli(run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--run-dir", str(run_dir), *SETTINGS, *extra]
 
 
-def _listed(run_dir: Path) -> tuple[int, int]:
-    """(shards listed in the extract stores' manifests, shards those manifests expect: the held-out
-    store's manifest appears with its first shard)."""
-    done = total = 0
+def _listed(run_dir: Path) -> int:
+    """Shards listed in the extract stores' manifests (the held-out store's appears with its first shard)."""
+    done = 0
     for manifest in run_dir.glob("artifacts/extract/*/*/manifest.json"):
         try:
             shards = json.loads(manifest.read_text())["shards"]
         except (json.JSONDecodeError, KeyError, OSError):
             continue  # being replaced right now
-        done, total = done + sum(s is not None for s in shards), total + len(shards)
-    return done, total
+        done += sum(s is not None for s in shards)
+    return done
 
 
 def _session_processes(sid: int) -> list[str]:
@@ -71,13 +69,12 @@ def _session_processes(sid: int) -> list[str]:
 def _kill_mid_extraction(run_dir: Path, env: dict[str, str], log: Path, *extra: str) -> tuple[int, int]:
     """Start the run, SIGKILL the flow process (only it: its engines must follow by themselves) once the
     extraction has listed more shards than before; return the shards listed then."""
-    before, _ = _listed(run_dir)
+    before = _listed(run_dir)
     proc = subprocess.Popen(_cli(run_dir, *extra), cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.time() + 400
     while time.time() < deadline:
-        done, total = _listed(run_dir)
-        if done > before:
+        if _listed(run_dir) > before:
             break
         assert proc.poll() is None, f"the run exited ({proc.returncode}) before extracting:\n{log.read_text()[-3000:]}"
         time.sleep(0.02)
@@ -90,8 +87,12 @@ def _kill_mid_extraction(run_dir: Path, env: dict[str, str], log: Path, *extra: 
     while _session_processes(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
     assert _session_processes(proc.pid) == [], "processes of the killed run are still alive"
-    # counted again now that nothing of the run is left: a shard can be listed between the count above and the kill
-    done, total = _listed(run_dir)
+    # counted again now that nothing of the run is left: a shard can be listed between the count above and the kill.
+    # Against the prepared samples (one shard each), not the manifests' count: the held-out manifest appears only
+    # with its first shard, so a kill between the last train shard and it would look like a finished extraction.
+    done = _listed(run_dir)
+    prepared = next(run_dir.glob("artifacts/prepare_data/*"))
+    total = sum(len(read_samples(prepared / f"{split}.jsonl")) for split in ("train", "heldout"))
     assert done < total, f"the extraction finished ({done}/{total}) before the kill: nothing was tested"
     return done, total
 

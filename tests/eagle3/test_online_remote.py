@@ -129,12 +129,17 @@ def test_a_worker_killed_mid_epoch_and_started_again_completes_the_run_with_the_
 
 
 TRAINER = """
-import sys, torch
+import os, signal, sys, torch
 from pathlib import Path
 from eagle3.capture.store import StoreReader
 from eagle3.online.feed import OnlineData, OnlineSample
 from eagle3.train.trainer import TrainConfig, train_draft
 store, target, head, vocab, out, buffer, one_shard = sys.argv[1:8]
+kill_at = int(sys.argv[8]) if len(sys.argv) > 8 else None
+
+def progress(step, steps, loss, *captured):  # SIGKILL of this process once step `kill_at` is logged: a kill mid-run
+    if step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
 torch.set_num_threads(1)
 samples = [OnlineSample(s.input_ids.tolist(), s.loss_mask.int().tolist()) for s in StoreReader(Path(store))]
 data = OnlineData(samples=samples, kept=0, kept_store=None, capture=None, buffer_dir=Path(buffer),
@@ -142,33 +147,29 @@ data = OnlineData(samples=samples, kept=0, kept_store=None, capture=None, buffer
                   producer="remote", remote_wait_s=120)
 config = TrainConfig(steps=%d, checkpoint_every=4, data="online", **%r)
 result = train_draft(config, store_dir=Path(store), target_dir=Path(target), head_path=Path(head),
-                     vocab_path=Path(vocab), out_dir=Path(out), online=data)
+                     vocab_path=Path(vocab), out_dir=Path(out), online=data, progress=progress)
 print("resumed from step", result.resumed_from_step)
 """ % (AUX_LAYER_IDS, HIDDEN, STEPS, TRAIN_KW)
 
 
 def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_with_the_same_worker_and_losses(local_losses, tmp_path):
     """The trainer is a process too: SIGKILL after step 6 (checkpoints every 4 steps), the same command again: it resumes
-    from the newest checkpoint the killed process left, and the worker that kept running serves the new stream from the
-    trainer's recorded cursor. A tiny step takes 20-50 ms, so the kill can land after step 8's checkpoint too: the test
-    reads which checkpoint the kill left rather than assuming step 4."""
+    from the newest checkpoint the killed process left (step 4), and the worker that kept running serves the new stream
+    from the trainer's recorded cursor. The trainer kills itself once step 6 is logged: a kill sent from here after
+    polling losses.jsonl could land after the last step on a loaded machine (a tiny step takes 20-50 ms)."""
     world, buffer, out = tiny_world(), tmp_path / "buffer", tmp_path / "out"
     command = [sys.executable, "-c", TRAINER, str(world.train_store), str(world.target_dir), str(world.head_path),
                str(world.vocab_path), str(out), str(buffer), str(ONE_SHARD)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     worker = _worker(buffer)
     try:
-        trainer = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        killed = subprocess.run([*command, "6"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
         losses = out / "losses.jsonl"
-        deadline = time.monotonic() + 300
-        while not (losses.is_file() and len(losses.read_text().splitlines()) >= 6):
-            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0][-3000:]
-            time.sleep(0.002)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait()
+        assert [json.loads(line)["step"] for line in losses.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
         assert (buffer / "cursor.json").is_file() and worker.poll() is None  # the worker waits for the next stream
         left = latest_valid_checkpoint(out / "checkpoints")
-        assert left is not None and 4 <= left.step < STEPS, left  # killed mid-run, after a checkpoint
+        assert left is not None and left.step == 4, left  # killed mid-run, after a checkpoint
         again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert f"resumed from step {left.step}\n" in again.stdout  # that checkpoint, not a fresh start
