@@ -75,19 +75,21 @@ def s3(tmp_path_factory) -> dict[str, str]:
                             start_new_session=True)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    os.environ.update(env)  # this process reads the bucket too
     import fsspec
 
-    deadline = time.time() + 60
-    while True:
-        try:
-            fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError((folder / "moto.log").read_text()[-2000:]) from None
-            time.sleep(0.5)
-    yield env
+    with pytest.MonkeyPatch.context() as patched:  # this process reads the bucket too, until the module ends
+        for name, value in env.items():
+            patched.setenv(name, value)
+        deadline = time.time() + 60
+        while True:
+            try:
+                fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError((folder / "moto.log").read_text()[-2000:]) from None
+                time.sleep(0.5)
+        yield env
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     log.close()
@@ -151,15 +153,16 @@ def cluster(prefect_server, s3, tmp_path_factory):
     from flows.deploy import DeploySettings, deploy
 
     base = os.environ | s3 | {"PREFECT_API_URL": prefect_server}
-    os.environ["PREFECT_API_URL"] = prefect_server
-    deploy(DeploySettings(machines=2), prefect_server)
-    root = tmp_path_factory.mktemp("machines")
-    workers = {name: Worker(name, root / f"machine-{name}", base) for name in ("a", "b")}
-    for worker in workers.values():
-        worker.start()
-    yield base, root, workers
-    for worker in workers.values():
-        worker.kill()
+    with pytest.MonkeyPatch.context() as patched:  # the module's tests call Prefect's client in this process
+        patched.setenv("PREFECT_API_URL", prefect_server)
+        deploy(DeploySettings(machines=2), prefect_server)
+        root = tmp_path_factory.mktemp("machines")
+        workers = {name: Worker(name, root / f"machine-{name}", base) for name in ("a", "b")}
+        for worker in workers.values():
+            worker.start()
+        yield base, root, workers
+        for worker in workers.values():
+            worker.kill()
 
 
 def _eagle3(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
