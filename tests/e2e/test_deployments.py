@@ -1,6 +1,7 @@
 """`eagle3 serve` for real: a `prefect server start`, the deployments of deployments/prefect.yaml, a
-worker on the `gpu` pool; the train-eagle3 deployment run on the tiny preset, failed, retried,
-Completed; two runs started together taking turns on the GPUs; Ctrl-C stopping all of it."""
+worker on the `gpu` pool; the train-eagle3 deployment run on the tiny preset, failed in extract with its target
+left in a warm engine, retried, Completed on that engine; two runs started together taking turns on the GPUs;
+Ctrl-C stopping all of it."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from tests.prefect_home import migrated_home
 
 SMALL = ["data.max_samples=16", "regenerate.max_new_tokens=8", "train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3",
          "eval.served=false"]
-UPSTREAM = ["stage_target", "regenerate", "prepare_data", "extract", "vocab"]
+BEFORE_EXTRACT = ["stage_target", "regenerate", "prepare_data"]
+FROM_EXTRACT = ["extract", "vocab", "train", "export", "evaluate"]
 
 
 @dataclass
@@ -130,49 +132,81 @@ def _wait_final(client, flow_run_id, timeout: float = 600):  # noqa: ANN001, ANN
     raise TimeoutError(f"flow run {flow_run_id} did not finish in {timeout} s")
 
 
+def _wait_exited(served: Served, flow_run_name: str) -> None:
+    """Until the worker logs that a finished attempt's process has exited (a retry before that is reported as a crash
+    by Prefect 3.7's worker, which tracks processes by flow run id)."""
+    deadline = time.time() + 120
+    while f"Process for flow run {flow_run_name!r} exited" not in served.worker_log(tail=None):
+        assert time.time() < deadline, "the failed attempt's process did not exit in 120 s"
+        time.sleep(0.5)
+
+
+def _target_loads(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "logs" / "target_loads.jsonl").read_text().splitlines()]
+
+
+OWN_KV_GIB = 0.375  # target.kv_cache_gib of the warm engine below: no other run of the module loads one of this size
+
+
 @pytest.fixture(scope="module")
 def retried(served: Served, tmp_path_factory) -> dict:
-    """A train-eagle3 deployment run that fails at train (its artifact folder is a file), then is retried."""
+    """A train-eagle3 deployment run with target.keep_warm_s set that fails in extract (its artifact folder is a
+    file) after regenerate loaded the target into a warm engine, then `prefect flow-run retry` of that run once the
+    failed attempt's process has exited. The engine settings (kv_cache_gib) are the module's own, so no other run of
+    the module attaches to it; it is stopped before the fixture returns."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from eagle3.engine.client import stop_engine
+    from eagle3.engine.registry import live_engines
+
+    cache = Path(served.env["EAGLE3_CACHE_DIR"])
     run_dir = tmp_path_factory.mktemp("deployed") / "run"
     (run_dir / "artifacts").mkdir(parents=True)
-    (run_dir / "artifacts" / "train").write_text("a file where the train artifacts go: the stage cannot write")
-    config = build_config("tiny", run_dir=str(run_dir), overrides=SMALL)
-    with temporary_settings(updates={PREFECT_API_URL: served.api_url}):
-        first = run_deployment("train-eagle3/train-eagle3", parameters={"config": config.model_dump(mode="json")}, timeout=900)
-    failed = {"state": first.state.name, "stages": _states(run_dir)}
-    (run_dir / "artifacts" / "train").unlink()
-    # Retry once the failed attempt's process has exited (it takes some seconds to shut down after the run turns
-    # Failed): the worker tracks processes by flow run id, and a late exit code 1 would be reported as a crash of the retry.
-    deadline = time.time() + 120
-    while f"Process for flow run {first.name!r} exited" not in served.worker_log(tail=None):
-        assert time.time() < deadline, "the failed attempt's process did not exit in 120 s"
-        time.sleep(0.5)
-    retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(first.id)], env=served.env,
-                           capture_output=True, text=True, timeout=120)
-    assert retry.returncode == 0, retry.stdout + retry.stderr
-    with _api(served.api_url) as client:
-        final = _wait_final(client, first.id)
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-        reports = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id])))
+    (run_dir / "artifacts" / "extract").write_text("a file where the extract artifacts go: the stage cannot write")
+    config = build_config("tiny", run_dir=str(run_dir), overrides=[*SMALL, "target.keep_warm_s=300",
+                                                                   f"target.kv_cache_gib={OWN_KV_GIB}"])
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: served.api_url}):
+            first = run_deployment("train-eagle3/train-eagle3", parameters={"config": config.model_dump(mode="json")},
+                                   timeout=900)
+        failed = {"state": first.state.name, "stages": _states(run_dir), "loads": _target_loads(run_dir),
+                  "engines": [info["pid"] for _, info in live_engines(cache)], "worker_log": served.worker_log()}
+        (run_dir / "artifacts" / "extract").unlink()
+        _wait_exited(served, first.name)
+        retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(first.id)], env=served.env,
+                               capture_output=True, text=True, timeout=120)
+        assert retry.returncode == 0, retry.stdout + retry.stderr
+        with _api(served.api_url) as client:
+            final = _wait_final(client, first.id)
+            reports = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id])))
+    finally:  # stopped before the module's other tests run, so they share the machine with no idle engine
+        for home, info in live_engines(cache):
+            if info.get("spec", {}).get("kv_cache_gib") == OWN_KV_GIB:
+                stop_engine(home, info)
     return {"run_dir": run_dir, "failed": failed, "final": final, "reports": reports, "worker_log": served.worker_log()}
 
 
-def test_a_failed_run_retried_reruns_only_the_failed_stage_and_what_follows(retried: dict):
-    assert retried["failed"]["state"] == "Failed"
-    assert retried["failed"]["stages"]["train"] == "Failed"
-    assert {s: retried["failed"]["stages"][s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Completed")
+def test_a_failed_run_retried_reruns_only_the_failed_stage_and_what_follows_on_its_warm_engine(retried: dict):
+    """Issue 25 on the path a scheduled or UI run takes: the failed attempt leaves its target loaded in a warm engine,
+    and `prefect flow-run retry` of the same run reruns extract and what follows, attached to that engine (no second
+    load), while the stages before extract come back Cached."""
+    failed = retried["failed"]
+    assert failed["state"] == "Failed" and failed["stages"]["extract"] == "Failed", failed["worker_log"]
+    assert {s: failed["stages"][s] for s in BEFORE_EXTRACT} == dict.fromkeys(BEFORE_EXTRACT, "Completed")
+    assert [entry.get("event", "loaded") for entry in failed["loads"]] == ["loaded"]
+    assert failed["loads"][0]["pid"] in failed["engines"], f"no live warm engine after the failed extract: {failed}"
     assert retried["final"].state.name == "Completed", retried["worker_log"]
     assert retried["final"].run_count >= 2  # the same run id, retried
     states = _states(retried["run_dir"])
-    assert {s: states[s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "Cached")
-    assert [states[s] for s in ("train", "export", "evaluate")] == ["Completed"] * 3
-    assert len((retried["run_dir"] / "logs" / "target_loads.jsonl").read_text().splitlines()) == 1  # never loaded again
+    assert {s: states[s] for s in BEFORE_EXTRACT} == dict.fromkeys(BEFORE_EXTRACT, "Cached")
+    assert [states[s] for s in FROM_EXTRACT] == ["Completed"] * len(FROM_EXTRACT), states
+    loads = _target_loads(retried["run_dir"])
+    assert [entry.get("event", "loaded") for entry in loads] == ["loaded", "attached"], loads  # never loaded again
+    assert loads[1]["engine_pid"] == failed["loads"][0]["pid"]
     report = next(a.data for a in retried["reports"] if a.key == "eagle3-run-summary" and "completed" in a.data.splitlines()[0])
-    assert "| extract | Cached |" in report and "| train | Completed |" in report and "## Acceptance" in report
+    assert "| regenerate | Cached |" in report and "| extract | Completed |" in report and "## Acceptance" in report
 
 
 def _slot_events(run_dir: Path) -> list[dict]:
@@ -275,64 +309,6 @@ def test_two_runs_started_together_take_turns_on_the_gpus(served: Served, retrie
         for start_b, end_b in b:
             assert end_a <= start_b or end_b <= start_a, f"runs a and b held the GPUs together: {a} {b}"
     assert all(_states(tmp_path / n)["train"] == "Completed" for n in "ab")
-
-
-def _wait_exited(served: Served, flow_run_name: str) -> None:
-    """Until the worker logs that a finished attempt's process has exited (a retry before that is reported as a crash
-    by Prefect 3.7's worker, which tracks processes by flow run id)."""
-    deadline = time.time() + 120
-    while f"Process for flow run {flow_run_name!r} exited" not in served.worker_log(tail=None):
-        assert time.time() < deadline, "the failed attempt's process did not exit in 120 s"
-        time.sleep(0.5)
-
-
-OWN_KV_GIB = 0.375  # target.kv_cache_gib of the warm engine below: no other run of the module loads one of this size
-
-
-def test_prefect_retry_of_a_run_whose_extract_failed_attaches_to_its_warm_engine(served: Served, tmp_path: Path):
-    """Issue 25, on the path a scheduled or UI run takes: a train-eagle3 deployment run with target.keep_warm_s set
-    fails in extract (its artifact folder is a file) after regenerate loaded the target into a warm engine; the
-    engine stays up; `prefect flow-run retry` of that run attaches to it (no second load) and completes. The engine
-    settings (kv_cache_gib) are this test's own, so no other run of the module attaches to it; it is stopped at the
-    end."""
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from eagle3.engine.registry import live_engines
-    from eagle3.engine.client import stop_engine
-
-    cache = Path(served.env["EAGLE3_CACHE_DIR"])
-    run_dir = tmp_path / "run"
-    (run_dir / "artifacts").mkdir(parents=True)
-    (run_dir / "artifacts" / "extract").write_text("a file where the extract artifacts go: the stage cannot write")
-    config = build_config("tiny", run_dir=str(run_dir), overrides=[*SMALL, "target.keep_warm_s=300",
-                                                                   f"target.kv_cache_gib={OWN_KV_GIB}"])
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: served.api_url}):
-            first = run_deployment("train-eagle3/train-eagle3", parameters={"config": config.model_dump(mode="json")},
-                                   timeout=900)
-        assert first.state.name == "Failed" and _states(run_dir)["extract"] == "Failed", served.worker_log()
-        loads = [json.loads(line) for line in (run_dir / "logs" / "target_loads.jsonl").read_text().splitlines()]
-        assert [entry.get("event", "loaded") for entry in loads] == ["loaded"]
-        warm = [info for _, info in live_engines(cache) if info["pid"] == loads[0]["pid"]]
-        assert warm, f"no live warm engine after the failed extract: {live_engines(cache)}"
-        (run_dir / "artifacts" / "extract").unlink()
-        _wait_exited(served, first.name)
-        retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(first.id)], env=served.env,
-                               capture_output=True, text=True, timeout=120)
-        assert retry.returncode == 0, retry.stdout + retry.stderr
-        with _api(served.api_url) as client:
-            final = _wait_final(client, first.id)
-        assert final.state.name == "Completed", served.worker_log()
-        states = _states(run_dir)
-        assert states["regenerate"] == "Cached" and states["extract"] == "Completed"
-        loads = [json.loads(line) for line in (run_dir / "logs" / "target_loads.jsonl").read_text().splitlines()]
-        assert [entry.get("event", "loaded") for entry in loads] == ["loaded", "attached"], loads
-        assert loads[1]["engine_pid"] == warm[0]["pid"]
-    finally:
-        for home, info in live_engines(cache):
-            if info.get("spec", {}).get("kv_cache_gib") == OWN_KV_GIB:
-                stop_engine(home, info)
 
 
 def test_ctrl_c_stops_the_worker_and_the_server(served: Served):

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from eagle3.artifacts import read_complete
 from eagle3.capture.store import MANIFEST, StoreReader
 from eagle3.data.conversations import read_samples
-from eagle3.draft.checkpoint import list_checkpoints, load_checkpoint
+from eagle3.draft.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 # Printed stage lines in flow order (gpu_cleanup runs twice); "startup" = before the first line.
@@ -72,6 +72,11 @@ def when_file(pattern: str, count: int = 1) -> Trigger:
 def any_of(*triggers: Trigger) -> Trigger:
     """When any of `triggers` holds."""
     return lambda run_dir, printed: any(trigger(run_dir, printed) for trigger in triggers)
+
+
+def all_of(*triggers: Trigger) -> Trigger:
+    """When every one of `triggers` holds."""
+    return lambda run_dir, printed: all(trigger(run_dir, printed) for trigger in triggers)
 
 
 def building_target() -> Trigger:
@@ -116,6 +121,7 @@ class Outcome:
     attempts: int = 0  # runs after the kill until one completed
     redone: list[str] = field(default_factory=list)  # stages finished before the kill but computed again
     problems: list[str] = field(default_factory=list)  # what the checks found (empty: nothing lost)
+    checkpoint: int | None = None  # the step of the newest valid training checkpoint on disk after the kill
 
 
 def cli_env(api_url: str, cache_dir: Path) -> dict[str, str]:
@@ -326,6 +332,7 @@ def kill_chain(chain: list[Moment], run_dir: Path, overrides: list[str], env: di
     for moment in chain:
         killed = run_once(args, env, kill=moment)
         outcome = Outcome(moment, hit_stage(killed) if killed.returncode == -signal.SIGKILL else "none")
+        outcome.checkpoint = newest_checkpoint(run_dir)
         outcome.redone = _redone(finished, killed.printed)
         outcome.problems += [f"finished stage {s} was computed again" for s in outcome.redone]
         if killed.returncode != -signal.SIGKILL:
@@ -342,6 +349,20 @@ def kill_chain(chain: list[Moment], run_dir: Path, overrides: list[str], env: di
     last.problems += [f"finished stage {s} was computed again" for s in _redone(finished, final.printed)]
     last.problems += check_run_dir(run_dir, reference)
     return outcomes
+
+
+def newest_checkpoint(run_dir: Path) -> int | None:
+    """The step of the newest valid checkpoint of the run's training (what a rerun resumes from), None if none."""
+    found = [c for folder in run_dir.glob("artifacts/train/*/checkpoints") if (c := latest_valid_checkpoint(folder))]
+    return max((c.step for c in found), default=None)
+
+
+def trained_from(run_dir: Path) -> int | None:
+    """The step the completed train stage of the run resumed from (its completion marker), None if it started fresh."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    artifact = next(ROOT / row["artifact"] for row in summary["stages"] if row["name"] == "train")
+    step = read_complete(artifact).stats["resumed_from_step"]
+    return None if step < 0 else step
 
 
 def _redone(finished: set[str], printed: list[str]) -> list[str]:

