@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from tasks.gpu_slot import GPU_LIMIT, SLOT_LOG, GpuLimitMissing, ensure_gpu_limit, gpu_slot
-from tasks.output import child_output_to_logs
 
 
 def _logs(flow_run_id, expect: list[str]) -> list[str]:  # noqa: ANN001 - UUID
@@ -30,28 +29,45 @@ def _logs(flow_run_id, expect: list[str]) -> list[str]:  # noqa: ANN001 - UUID
             time.sleep(0.5)
 
 
-def test_child_process_output_reaches_the_run_log_once_and_the_terminal(prefect_harness, capfd):
-    from prefect import flow, get_run_logger, task
+CHILD = "import os; print('hello from a child', flush=True); os.write(2, b'progress 10%\\rprogress 100%\\n')"
+ENGINE_RUN = f"""
+import subprocess, sys
+from prefect import flow, get_run_logger, task
+from tasks.output import child_output_to_logs
 
-    @task
-    def engine() -> None:
-        with child_output_to_logs():
-            subprocess.run([sys.executable, "-c", "import os, sys; print('hello from a child', flush=True); "
-                            "os.write(2, b'progress 10%\\rprogress 100%\\n')"], check=True)
-            get_run_logger().info("a python log line")
+@task
+def engine() -> None:
+    with child_output_to_logs():
+        subprocess.run([sys.executable, "-c", {CHILD!r}], check=True)
+        get_run_logger().info("a python log line")
 
-    @flow
-    def run() -> None:
-        engine()
+@flow
+def run() -> None:
+    engine()
 
-    state = run(return_state=True)
-    messages = _logs(state.state_details.flow_run_id,
-                     expect=["a python log line", "[stdout] hello from a child", "[stderr] progress 100%"])
-    assert "[stdout] hello from a child" in messages
+print("flow run", run(return_state=True).state_details.flow_run_id, flush=True)
+"""
+
+
+def test_child_process_output_reaches_the_run_log_once_and_the_terminal(prefect_harness):
+    """A stage's child process (an engine) writes to stdout and stderr: each line reaches the run log on the server
+    once, and still shows on the terminal. The flow runs in a process of its own, as `eagle3 run` runs one, so what
+    is read is what that process sent before it exited (not what a long-lived test process with every earlier test's
+    Prefect clients in it had sent so far: there, once, none of the run's logs had arrived after 120 s)."""
+    import os
+    from uuid import UUID
+
+    from prefect.settings import PREFECT_API_URL
+
+    out = subprocess.run([sys.executable, "-c", ENGINE_RUN], env=os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value()},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (flow_run_id,) = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("flow run ")]
+    messages = _logs(UUID(flow_run_id), expect=["a python log line", "[stdout] hello from a child", "[stderr] progress 100%"])
+    assert "[stdout] hello from a child" in messages, (messages, out.stderr[-2000:])
     assert "[stderr] progress 100%" in messages  # a progress bar's last state
     assert messages.count("a python log line") == 1  # not logged again through the pipe
-    out, err = capfd.readouterr()
-    assert "hello from a child" in out and "progress 100%" in err  # still shown where it was written
+    assert "hello from a child" in out.stdout and "progress 100%" in out.stderr  # still shown where it was written
 
 
 def test_gpu_slot_is_held_by_one_block_at_a_time_and_logged(prefect_harness, tmp_path: Path):
