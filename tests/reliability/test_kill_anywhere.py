@@ -50,5 +50,5 @@ def test_killed_at_three_moments_then_completed_loses_nothing(reference, builtin
     assert outcomes[-1].attempts == 1  # the first run after the last kill completed
     # the training killed midway went on from the newest checkpoint it had left, not from step 0, and still exported
     # the uninterrupted run's tensors (checked above)
-    assert outcomes[1].checkpoint in (10, 20), outcomes[1].checkpoint
+    assert (outcomes[1].checkpoint or 0) >= 10, outcomes[1].checkpoint  # 10 or 20, or later if the kill came late
     assert harness.trained_from(tmp_path / "run") == outcomes[1].checkpoint
