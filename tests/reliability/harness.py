@@ -122,6 +122,7 @@ class Outcome:
     redone: list[str] = field(default_factory=list)  # stages finished before the kill but computed again
     problems: list[str] = field(default_factory=list)  # what the checks found (empty: nothing lost)
     checkpoint: int | None = None  # the step of the newest valid training checkpoint on disk after the kill
+    loads: int = 0  # lines in the run's logs/target_loads.jsonl after the kill (each a target loaded or attached)
 
 
 def cli_env(api_url: str, cache_dir: Path) -> dict[str, str]:
@@ -333,6 +334,8 @@ def kill_chain(chain: list[Moment], run_dir: Path, overrides: list[str], env: di
         killed = run_once(args, env, kill=moment)
         outcome = Outcome(moment, hit_stage(killed) if killed.returncode == -signal.SIGKILL else "none")
         outcome.checkpoint = newest_checkpoint(run_dir)
+        load_log = run_dir / "logs" / "target_loads.jsonl"
+        outcome.loads = len(load_log.read_text().splitlines()) if load_log.is_file() else 0
         outcome.redone = _redone(finished, killed.printed)
         outcome.problems += [f"finished stage {s} was computed again" for s in outcome.redone]
         if killed.returncode != -signal.SIGKILL:

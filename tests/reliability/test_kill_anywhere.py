@@ -52,3 +52,4 @@ def test_killed_at_three_moments_then_completed_loses_nothing(reference, builtin
     # the uninterrupted run's tensors (checked above)
     assert (outcomes[1].checkpoint or 0) >= 10, outcomes[1].checkpoint  # 10 or 20, or later if the kill came late
     assert harness.trained_from(tmp_path / "run") == outcomes[1].checkpoint
+    assert outcomes[2].loads == outcomes[1].loads >= 1  # the run that resumed the training loaded no target
