@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tests.e2e.conftest import run_cli
@@ -30,14 +29,3 @@ def test_unknown_config_key(tmp_path: Path, cli_env):
         "error: invalid configuration: train.stepz: unknown setting (check the spelling; docs/settings.md lists every setting)"
     ]
     assert not run_dir.exists()
-
-
-def test_dataset_without_any_assistant_turn(tmp_path: Path, cli_env):
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"hello {i}"}]}) + "\n" for i in range(5)))
-    run_dir = tmp_path / "run"
-    out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", f"data.source={data}"], cli_env)
-    assert out.returncode != 0
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and "data.source=" in last and "assistant turn" in last
-    assert _no_artifact(run_dir, "regenerate")

@@ -1,13 +1,15 @@
 """What `eagle3 run` prints: stage lines, progress and the result table; the engines' lines (vLLM,
 safetensors bars, torch warnings) go to <run_dir>/logs/engine.log, and to the console only with
---verbose. One tiny run serves several tests (it is the expensive part)."""
+--verbose. One tiny run serves several tests (it is the expensive part); the failed runs are cheap ones (one fails
+before any engine loads, the verbose one loads one engine and fails on its first shard)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from tests.e2e.conftest import run_cli
 # vLLM's own log format: "INFO 12-01 00:59:21 [model.py:733] Resolved architecture: ..."
 VLLM_LINE = re.compile(r"(INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[\w+\.py:\d+\]")
 LONG_STAGES = ("regenerate", "extract", "train", "evaluate")
+ROOT = Path(__file__).resolve().parents[2]
 ALL_STAGES = ("gpu_cleanup", "stage_target", "regenerate", "prepare_data", "extract", "vocab", "train", "export", "evaluate")
 
 
@@ -55,21 +58,24 @@ def test_engine_log_holds_the_engine_lines_with_their_stage(tiny_run):
 
 
 def test_a_failed_stage_is_one_error_line_naming_the_log(tmp_path: Path, env: dict[str, str]):
+    """A data set with no assistant turn: regenerate fails before any engine loads, the console's last line is the
+    one error line (the setting, what was expected, the log), no traceback on the console, the traceback in the
+    log, and no regenerate artifact."""
     data = tmp_path / "chats.jsonl"
-    data.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"hello {i}"}]}) + "\n"
+                            for i in range(5)))
     run_dir = tmp_path / "run"
-    args = ["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", f"data.source={data}"]
-    out = run_cli(args, env)
+    out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", f"data.source={data}"], env)
     assert out.returncode == 1
     log = run_dir / "logs" / "engine.log"
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == [out.stderr.strip().splitlines()[-1]]
-    assert "regenerate: data.source=" in errors[0] and errors[0].endswith(f"(details: {log})")
+    assert "regenerate: data.source=" in errors[0] and "assistant turn" in errors[0]
+    assert errors[0].endswith(f"(details: {log})")
     assert "Traceback" not in out.stdout + out.stderr
     assert "[traceback] Traceback (most recent call last):" in log.read_text()
-    verbose = run_cli([*args, "--verbose"], env)
-    assert "Traceback (most recent call last):" in verbose.stderr
-    assert verbose.stderr.strip().splitlines()[-1] == errors[0]
+    regenerate = run_dir / "artifacts" / "regenerate"
+    assert not regenerate.exists() or not any(regenerate.iterdir())
 
 
 def test_a_malformed_yaml_config_is_one_error_line_with_file_and_line(tmp_path: Path, env: dict[str, str]):
@@ -83,13 +89,18 @@ def test_a_malformed_yaml_config_is_one_error_line_with_file_and_line(tmp_path: 
     ]
 
 
-def test_verbose_shows_the_engine_lines_too(tiny_run, env: dict[str, str], tmp_path: Path):
-    """It reruns extract and what follows (a new shard size, so the engine loads) in a copy of the shared run
-    folder, which other tests read as it was."""
+def test_verbose_shows_the_engine_lines_and_the_traceback_too(env: dict[str, str], tmp_path: Path):
+    """`--verbose`, as a user reruns a failed run to see more: extract loads the engine and then fails on its first
+    shard (tests/reliability/fail_extract.py: a FAKE full disk; regenerate off, so extract's is the run's only load).
+    The console shows vLLM's lines, the stage lines and the traceback, and still ends with the one error line."""
     run_dir = tmp_path / "run"
-    shutil.copytree(tiny_run[0], run_dir, symlinks=True)
-    out = run_cli(["run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", "extract.samples_per_shard=4",
-                   "--verbose"], env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert VLLM_LINE.search(out.stdout + out.stderr)
-    assert re.search(r"^extract\s+Completed", out.stdout, re.M)
+    out = subprocess.run([sys.executable, "-m", "tests.reliability.fail_extract", "0", "run", "--preset", "tiny",
+                          "--run-dir", str(run_dir), "--set", "regenerate.enabled=false", "--verbose"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert VLLM_LINE.search(out.stdout + out.stderr), out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"^prepare_data\s+Completed", out.stdout, re.M) and re.search(r"^extract\s+Failed", out.stdout, re.M)
+    assert "Traceback (most recent call last):" in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: extract: [Errno 28] No space left on device"), last
+    assert last.endswith(f"(details: {run_dir / 'logs' / 'engine.log'})"), last

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -225,12 +226,18 @@ def test_a_warm_engine_captures_and_regenerates_images_as_the_in_process_engine(
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="tensor_parallel_size 2 on CUDA needs 2 GPUs (the CPU build splits the cores instead)")
-def test_tensor_parallel_2_captures_and_regenerates_images_as_tp1(run):
+def test_tensor_parallel_2_captures_and_regenerates_images_as_tp1(run, builtin_cache):
     """target.tensor_parallel_size 2 (vLLM's mp executor, two real worker processes on the CPU) through a warm engine:
     the same ids and masks as TP 1, states within 1e-4, the same greedy answers. The engine's process runs the
-    in-process capture (eagle3.engine.server calls vllm_adapter), so this covers a run's own TP 2 engine with images
-    too; the CLI's in-process TP 2 run is tests/e2e/test_parallel_runs.py's. (In this process
-    as well, it was a second TP 2 load: 63.7 s against 30.6 s now, alone on 2 cores.)"""
+    in-process capture (eagle3.engine.server calls vllm_adapter, which picks eagle3.capture.tp_capture's source: the
+    capture runs in every worker and rank 0's states come back through shared-memory files), so this covers a run's
+    own TP 2 engine with images, and the text-only conversation beside them; the CLI's in-process TP 2 run is
+    tests/e2e/test_parallel_runs.py's. Once the engine is stopped, none of its TP workers runs and none of its
+    shared-memory files is left. (In this process as well, it was a second TP 2 load: 63.7 s against 30.6 s now,
+    alone on 2 cores; tests/eagle3/test_tensor_parallel.py's own Kimi-K2.5 TP 2 load, text only, is folded in here.)"""
+    from eagle3.capture.tp_capture import SHM_PREFIX, shm_dir
+    from eagle3.engine.registry import process_identity, wait_gone
+
     config, target, data, root, loads, (_, _, extracted), work = run
     local = {s.sample_id: s for s in StoreReader(extracted.path / "train")}
     regen_config = RegenerateConfig(max_new_tokens=4)
@@ -240,10 +247,17 @@ def test_tensor_parallel_2_captures_and_regenerates_images_as_tp1(run):
     try:
         records = _chain(tp2, target, data, tp_root, tp_loads)
         regen = stages.run_regenerate(regen_config, data, tp2, target, tp_root, regen_fp, tp_loads)
+        (engine,) = [info for _, info in live_engines(builtin_cache) if info["spec"]["tensor_parallel_size"] == 2]
     finally:
         engine_pool.release_all(keep_warm=False)
         vllm_adapter.release_all()
     assert [json.loads(line)["preflight"]["tensor_parallel_size"] for line in tp_loads.read_text().splitlines()] == [2]
+    assert len(engine["workers"]) >= 2 and wait_gone(engine, 60), engine  # a guard: the stop waited for it already
+    deadline = time.monotonic() + 30  # a guard only: a stopped engine's workers exit with it
+    while any(process_identity(pid) == ticks for pid, ticks in engine["workers"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid, ticks in engine["workers"] if process_identity(pid) == ticks], engine["workers"]
+    assert not list(shm_dir().glob(f"{SHM_PREFIX}{engine['pid']}-*"))  # rank 0's batch files were unlinked
     stored = list(StoreReader(records[2].path / "train"))
     assert sorted(s.sample_id for s in stored) == sorted(local)
     for sample in stored:

@@ -6,7 +6,8 @@ same export drafts for both. Then:
 - vLLM's own Eagle3DeepseekV2ForCausalLM, loaded from the export by vLLM's loader while it serves, computes the
   draft logits our module computes for the same inputs (its fc input, tokens, positions), step 0 and step 1;
 - vLLM serves the export beside the tiny DeepSeek-V3 and the tiny Kimi-K2.5: greedy output equal to
-  the output without it, acceptance length above 1;
+  the output without it, acceptance length above 1; and beside the tiny Kimi-K2.5 with its vision tower, through
+  the evaluate stage (eval.served) on conversations with images: the images sent, greedy output unchanged;
 - `auto` picks the MLA draft for both and the Llama-style draft for a Llama target; deepseek_mla on a Llama
   target is refused before any load, naming the setting; the Llama-style train fingerprint is unchanged.
 
@@ -302,50 +303,14 @@ def test_a_draft_of_a_target_without_yarn_exports_a_rope_every_vllm_loads_and_co
     torch.testing.assert_close(sin[:, :dim // 2], want_sin, atol=2e-5, rtol=0)
 
 
-def test_kimi_k25_served_with_its_mla_draft_on_prompts_with_an_image_gives_the_output_without_it(trained, tmp_path):
-    """Issue 28's served check: the tiny Kimi-K2.5 WITH its vision tower (MoonViT, built by arch_builders) serves a
-    prompt holding an image (a random PNG, vLLM's own Kimi multimodal processor) with our MLA draft, and the greedy
-    output (this device's dtype) is the output without the draft, token for token; the draft drafts there (vLLM's counters move).
-    vLLM 0.32's draft reads text-only inputs (its Eagle3 classes are not multimodal): at the image's positions it
-    embeds the placeholder token, as the store does (eagle3.capture.extract)."""
-    import json as json_
-
-    from vllm.inputs import TokensPrompt
-
-    from eagle3.capture import vllm_adapter
-    from eagle3.data.images import load_image
-    from tests.eagle3.image_data import write_png
-
-    kimi = trained["kimi_k25"]
-    pad = json_.loads((kimi / "config.json").read_text())["media_placeholder_token_id"]
-    image = load_image(f"file://{write_png(tmp_path / 'a.png', seed=4)}")
-    texts = _prompts(seed=3, n=3, length=6)
-    prompts = [TokensPrompt(prompt_token_ids=[*t[:3], pad, *t[3:]],
-                            multi_modal_data={"vision_chunk": [{"type": "image", "image": image, "uuid": None}]})
-               for t in texts]
-    outputs = {}
-    for name, draft in (("with", trained["export"]), ("without", None)):
-        llm = vllm_adapter.load_serving_engine(str(kimi), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
-                                               speculative_dir=None if draft is None else str(draft),
-                                               num_speculative_tokens=0 if draft is None else 3, images=True,
-                                               setup=eager_serving())
-        try:
-            import vllm
-
-            before = vllm_adapter.spec_decode_counters(llm)
-            out = llm.generate(prompts, vllm.SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
-            outputs[name] = [list(o.outputs[0].token_ids) for o in out]
-            outputs[name + "_drafts"] = vllm_adapter.spec_decode_counters(llm).minus(before).drafts
-        finally:
-            vllm_adapter.shutdown_engine(llm)
-    assert outputs["with"] == outputs["without"] and all(len(o) == 12 for o in outputs["with"])
-    assert outputs["with_drafts"] > 0 and outputs["without_drafts"] == 0
-
-
 def test_the_served_evaluation_of_image_data_sends_the_images_and_the_draft_keeps_greedy_output(trained, builtin_cache):
-    """eval.served on a data set whose held-out conversations hold images (the tiny Kimi-K2.5 with its tower, our MLA
-    draft): each prompt goes to vLLM with its image, so the prompt tokens vLLM reports are the held-out store's, 6
-    image positions per 56 x 84 image included; greedy output with the draft is the output without it."""
+    """Issue 28's served check, as users run it: eval.served on a data set whose held-out conversations hold images
+    (the tiny Kimi-K2.5 WITH its vision tower, MoonViT, built by arch_builders; random PNGs through vLLM's own Kimi
+    multimodal processor; our MLA draft): each prompt goes to vLLM with its image, so the prompt tokens vLLM reports
+    are the held-out store's, 6 image positions per 56 x 84 image included; greedy output with the draft is the
+    output without it, token for token, and the draft drafts there (vLLM's counters move). vLLM's Eagle3 draft
+    classes read text-only inputs: at the image's positions the draft embeds the placeholder token, as the store does
+    (eagle3.capture.extract)."""
     from eagle3 import draft_stages, stages
     from eagle3.artifacts import StageRecord
     from eagle3.capture.extract import ExtractConfig
