@@ -17,6 +17,13 @@ import pytest
 # kv_cache_gib (tests.on_device.KV_CACHE_GIB): no VLLM_CPU_KVCACHE_SPACE here, which would override it in vLLM.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# make test's two processes, and the engines, trainers and CLI runs they start, share 2 cores, and each OpenMP pool
+# (torch's and vLLM's libgomp) has 2 threads. By default a thread that waits at a barrier spins first (GOMP_SPINCOUNT),
+# while the thread it waits for may be off the core, running the other process: PASSIVE waits sleep at once. libgomp
+# reads it when torch loads it, so it is set here, before anything imports torch; children inherit it. Measured
+# (benchmarks/results/omp-wait-policy-epyc-2026-12-08.txt): two copies of tests/eagle3/test_mla_draft.py at once
+# 74.7 s -> 51.4 s (CPU 135 -> 89 s); one copy alone 48.6 -> 51.8 s. It changes no result: only how threads wait.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(autouse=True)
