@@ -24,7 +24,7 @@ from tests.on_device import KV_CACHE_GIB
 pytest.importorskip("vllm")
 
 REPO = Path(__file__).resolve().parents[2]
-ROUNDS = 4  # blocks of training steps each process runs, taking turns
+ROUNDS = 2  # blocks of training steps each process runs, taking turns (each goes first once)
 STEPS = 4  # timed training steps of a block, after 2 untimed
 MARK = "@measured "  # starts the lines the measuring processes answer with
 
