@@ -267,7 +267,7 @@ def close_engine(llm) -> None:  # noqa: ANN001 - vllm.LLM
 def engine_how(llm) -> str:  # noqa: ANN001 - vllm.LLM
     from vllm.platforms import current_platform
 
-    from eagle3.capture.vllm_adapter import engine_mode
+    from eagle3.capture.vllm_serving import engine_mode
 
     mode = engine_mode(llm)
     how = ("torch.compile + CUDA graphs" if mode.compiled and mode.cuda_graphs else "torch.compile" if mode.compiled

@@ -8,7 +8,7 @@ Two targets, random weights (vLLM's load_format "dummy": only config.json is wri
   with our MLA draft (train.draft.architecture auto picks it for DeepseekV3; exported in vLLM's native layout).
 
 Every engine runs as `vllm serve` runs it by default on a GPU (torch.compile and CUDA graphs; eager on the CPU build,
-as eagle3.capture.vllm_adapter.ServingSetup), max_num_seqs = the largest concurrency. One engine without the draft,
+as eagle3.capture.vllm_serving.ServingSetup), max_num_seqs = the largest concurrency. One engine without the draft,
 one per k. On each, for every concurrency c: c prompts of --prompt-len random tokens, greedy, ignore_eos, once with
 max_tokens 1 (the prefill) and once with --tokens, each three times after a warm-up (medians). A step's time is
     t = (wall(--tokens) - wall(1)) / decode steps,
@@ -118,7 +118,8 @@ def load_engine(target_dir: Path, draft_dir: Path | None, k: int, max_seqs: int,
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    from eagle3.capture.vllm_adapter import gpu_share_free_now, mla_attention_backend
+    from eagle3.capture.vllm_adapter import mla_attention_backend
+    from eagle3.capture.vllm_serving import gpu_share_free_now
 
     share = {}
     if torch.cuda.is_available():  # vLLM keeps GPU memory after an engine of this process stops: size from what is free
@@ -136,7 +137,7 @@ def load_engine(target_dir: Path, draft_dir: Path | None, k: int, max_seqs: int,
 
 
 def drafts_so_far(llm) -> int:  # noqa: ANN001
-    from eagle3.capture.vllm_adapter import spec_decode_counters
+    from eagle3.capture.vllm_serving import spec_decode_counters
 
     return spec_decode_counters(llm).drafts
 

@@ -17,7 +17,7 @@ import torch
 
 from eagle3.artifacts import StageRecord, atomic_write_text, building, mark_complete
 from eagle3.capture.store import StoreReader
-from eagle3.capture.vllm_adapter import ServingSetup
+from eagle3.capture.vllm_serving import ServingSetup
 from eagle3.data import conversations
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
 from eagle3.draft.architecture import read_text_config, resolve
@@ -30,7 +30,7 @@ from eagle3.evaluate.plots import (ACCEPTANCE_PNG, LOSS_PNG, SWEEP_PNG, plot_acc
 from eagle3.evaluate.dflash_eval import evaluate_dflash
 from eagle3.evaluate.served_eval import ServedReport, heldout_prompt_rows, served_acceptance, served_stats, with_images
 from eagle3.evaluate.served_sweep import configured_sweep
-from eagle3.draft.target_head import TargetHead, load_target_head, read_target_config
+from eagle3.draft.target_head import load_target_head, read_target_config
 from eagle3.train.dflash_trainer import is_dflash_checkpoint, load_dflash_checkpoint, train_dflash
 from eagle3.train.trainer import ADDED_WITH_DEFAULT, EVALS, LOSSES, RUNTIME_ONLY, TrainConfig, train_draft
 from eagle3.draft.vocab import VocabConfig, build_mapping, count_tokens, save_mapping

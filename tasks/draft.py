@@ -10,7 +10,7 @@ from prefect.logging import get_run_logger
 
 from eagle3 import draft_stages
 from eagle3.artifacts import StageRecord
-from eagle3.capture.vllm_adapter import ServingSetup
+from eagle3.capture.vllm_serving import ServingSetup
 from eagle3.evaluate.acceptance import EvalConfig
 from eagle3.train.config import TrainConfig
 from eagle3.draft.vocab import VocabConfig

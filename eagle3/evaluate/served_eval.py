@@ -49,7 +49,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from eagle3.capture import vllm_adapter
+from eagle3.capture import vllm_adapter, vllm_serving
 from eagle3.data.conversations import UNLABELLED, TokenizedSample
 
 
@@ -100,7 +100,7 @@ class Divergence:
         return all(v.own_rank == 1 and v.gap is not None and 0.0 <= v.gap <= near_tie_gap for v in views)
 
 
-def gap_drift(spec: vllm_adapter.GreedyOutput, ref: vllm_adapter.GreedyOutput, upto: int) -> list[float]:
+def gap_drift(spec: vllm_serving.GreedyOutput, ref: vllm_serving.GreedyOutput, upto: int) -> list[float]:
     """Rounding between the runs where they agree: at each position < `upto` (same tokens so far, same token chosen),
     |change of the reference's top-1 minus runner-up logprob gap| from the reference run to the speculative one."""
     drift = []
@@ -142,7 +142,7 @@ class ServedReport:
     prompt_tokens: int = 0  # the prompts' tokens as vLLM ran them (images expanded), in the run without the draft
     prompts_with_images: int = 0  # prompts sent with their images
     # how each engine ran, read from its config after the load: [with the draft, without it] (empty: not recorded)
-    engines: list[vllm_adapter.EngineMode] = field(default_factory=list)
+    engines: list[vllm_serving.EngineMode] = field(default_factory=list)
 
     @property
     def per_source(self) -> dict[str, dict[str, float | int]]:
@@ -331,7 +331,7 @@ def first_difference(spec: Sequence[int], ref: Sequence[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(spec, ref, strict=False)) if a != b), min(len(spec), len(ref)))
 
 
-def first_divergence(index: int, spec: vllm_adapter.GreedyOutput, ref: vllm_adapter.GreedyOutput) -> Divergence | None:
+def first_divergence(index: int, spec: vllm_serving.GreedyOutput, ref: vllm_serving.GreedyOutput) -> Divergence | None:
     """None when both outputs are the same tokens; else where they first differ and how each run ranked the two tokens."""
     position = first_difference(spec.token_ids, ref.token_ids)
     if position is None:
@@ -358,14 +358,14 @@ def served_acceptance(
     sources: Sequence[str | None] = (),
     images: Sequence[Sequence[str]] = (),
     longest_prompt: int | None = None,
-    setup: vllm_adapter.ServingSetup = vllm_adapter.ServingSetup(),
+    setup: vllm_serving.ServingSetup = vllm_serving.ServingSetup(),
     speculative_method: str = "eagle3",
 ) -> ServedReport:
     """Serve the target with and without the draft on `prompts` (greedy) and compare; see the module docstring.
     `speculative_method`: vLLM's method for the draft folder ("dflash" for a DFlash export).
     `sources`: each prompt's data source (empty: none), for the per-source served figures. `images`: per prompt its
     image URLs (empty: text only), `longest_prompt` then the longest prompt as the engine runs it (images expanded).
-    `setup`: how the engines run (vllm_adapter.ServingSetup: by default as `vllm serve` runs them); each engine's mode
+    `setup`: how the engines run (vllm_serving.ServingSetup: by default as `vllm serve` runs them); each engine's mode
     and load time go into the report."""
     if not prompts:
         raise ValueError("no held-out prompts to serve; raise data.heldout_fraction or evaluate.served_max_prompts")
@@ -376,18 +376,18 @@ def served_acceptance(
                     setup=setup)
     vllm_adapter.release_all()  # one engine in memory at a time
 
-    def run(**speculative: object) -> tuple[list[vllm_adapter.GreedyOutput], float, vllm_adapter.SpecDecodeCounters,
-                                            vllm_adapter.EngineMode]:
+    def run(**speculative: object) -> tuple[list[vllm_serving.GreedyOutput], float, vllm_serving.SpecDecodeCounters,
+                                            vllm_serving.EngineMode]:
         started = time.monotonic()
-        llm = vllm_adapter.load_serving_engine(str(target_dir), **settings, **speculative)
+        llm = vllm_serving.load_serving_engine(str(target_dir), **settings, **speculative)
         try:
-            mode = vllm_adapter.engine_mode(llm, time.monotonic() - started)
-            before = vllm_adapter.spec_decode_counters(llm)
+            mode = vllm_serving.engine_mode(llm, time.monotonic() - started)
+            before = vllm_serving.spec_decode_counters(llm)
             started = time.monotonic()
-            outputs = vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens,
+            outputs = vllm_serving.greedy_generate(llm, prompts, max_new_tokens=max_new_tokens,
                                                    num_logprobs=TOP_LOGPROBS, images=pictures)
             seconds = time.monotonic() - started
-            return outputs, seconds, vllm_adapter.spec_decode_counters(llm).minus(before), mode
+            return outputs, seconds, vllm_serving.spec_decode_counters(llm).minus(before), mode
         finally:
             vllm_adapter.shutdown_engine(llm)
             del llm
@@ -400,9 +400,9 @@ def served_acceptance(
 
 
 def build_report(
-    counters: vllm_adapter.SpecDecodeCounters,
-    spec: list[vllm_adapter.GreedyOutput],
-    ref: list[vllm_adapter.GreedyOutput],
+    counters: vllm_serving.SpecDecodeCounters,
+    spec: list[vllm_serving.GreedyOutput],
+    ref: list[vllm_serving.GreedyOutput],
     num_draft_tokens: int,
     near_tie_gap: float,
     seconds_spec: float = 0.0,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3.capture import vllm_adapter
+from eagle3.capture import vllm_adapter, vllm_serving
 from eagle3.evaluate.acceptance import EvalConfig
 
 
@@ -59,7 +59,7 @@ class SweepReport:
     export_dir: str
     rows: list[SweepRow]
     # how each engine ran and how long it took to load: "target" (no draft) and "k=N" (empty: not recorded)
-    engines: dict[str, vllm_adapter.EngineMode] = field(default_factory=dict)
+    engines: dict[str, vllm_serving.EngineMode] = field(default_factory=dict)
     method: str = "eagle3"  # vLLM's speculative method for the draft: "eagle3", or "dflash" for a DFlash export
 
     def recommendations(self) -> list[Recommendation]:
@@ -111,20 +111,20 @@ def waves(prompts: Sequence[Sequence[int]], concurrency: int) -> list[list[list[
 
 
 def _measure(llm, prompts: Sequence[Sequence[int]], concurrency: int,
-             max_new_tokens: int) -> tuple[list[vllm_adapter.GreedyOutput], float, vllm_adapter.SpecDecodeCounters]:
+             max_new_tokens: int) -> tuple[list[vllm_serving.GreedyOutput], float, vllm_serving.SpecDecodeCounters]:
     """Generate every wave in turn on `llm`: (outputs in prompt order, generation seconds, counters moved)."""
-    before = vllm_adapter.spec_decode_counters(llm)
+    before = vllm_serving.spec_decode_counters(llm)
     outputs, seconds = [], 0.0
     for wave in waves(prompts, concurrency):
         started = time.monotonic()
-        outputs += vllm_adapter.greedy_generate(llm, wave, max_new_tokens=max_new_tokens, num_logprobs=0)
+        outputs += vllm_serving.greedy_generate(llm, wave, max_new_tokens=max_new_tokens, num_logprobs=0)
         seconds += time.monotonic() - started
-    return outputs, seconds, vllm_adapter.spec_decode_counters(llm).minus(before)
+    return outputs, seconds, vllm_serving.spec_decode_counters(llm).minus(before)
 
 
 def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *, ks: Sequence[int],
                  concurrencies: Sequence[int], max_new_tokens: int, dtype: str = "auto",
-                 kv_cache_gib: float = 1.0, setup: vllm_adapter.ServingSetup = vllm_adapter.ServingSetup(),
+                 kv_cache_gib: float = 1.0, setup: vllm_serving.ServingSetup = vllm_serving.ServingSetup(),
                  method: str = "eagle3") -> tuple[SweepReport, dict[int, int]]:
     """Load the target without the draft, then with it at each k, and measure every concurrency on each engine
     (len(ks) + 1 loads). Returns the report and, per k, how many outputs differ from the target's greedy ones.
@@ -134,15 +134,15 @@ def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *
     max_model_len = max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1
     settings = {"dtype": dtype, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib, "images": False,
                 "setup": setup}
-    engines: dict[str, vllm_adapter.EngineMode] = {}
+    engines: dict[str, vllm_serving.EngineMode] = {}
 
-    def run(**speculative: object) -> dict[int, tuple[list[vllm_adapter.GreedyOutput], float, vllm_adapter.SpecDecodeCounters]]:
+    def run(**speculative: object) -> dict[int, tuple[list[vllm_serving.GreedyOutput], float, vllm_serving.SpecDecodeCounters]]:
         vllm_adapter.release_all()  # one engine in memory at a time
         started = time.monotonic()
-        llm = vllm_adapter.load_serving_engine(str(target_dir), **settings, **speculative)
+        llm = vllm_serving.load_serving_engine(str(target_dir), **settings, **speculative)
         try:
             name = f"k={speculative['num_speculative_tokens']}" if speculative else "target"
-            engines[name] = vllm_adapter.engine_mode(llm, time.monotonic() - started)
+            engines[name] = vllm_serving.engine_mode(llm, time.monotonic() - started)
             return {c: _measure(llm, prompts, c, max_new_tokens) for c in concurrencies}
         finally:
             vllm_adapter.shutdown_engine(llm)
@@ -165,7 +165,7 @@ def served_sweep(target_dir: Path, export_dir: Path, prompts: list[list[int]], *
 
 
 def configured_sweep(config: EvalConfig, target_dir: Path, export_dir: Path, prompts: list[list[int]],
-                     images: Sequence[Sequence[str]], serving: vllm_adapter.ServingSetup, *, method: str = "eagle3",
+                     images: Sequence[Sequence[str]], serving: vllm_serving.ServingSetup, *, method: str = "eagle3",
                      ks: Sequence[int] | None = None) -> SweepReport | None:
     """The sweep the evaluate stage runs when eval.served_concurrency or eval.served_k is set; else None.
     `ks`: the k to try, when the draft fixes them (a DFlash draft: [block_size - 1]); else eval.served_k, or

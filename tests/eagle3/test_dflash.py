@@ -254,28 +254,28 @@ def _ours_for(draft: DFlashDraft, head: TargetHead, calls: DraftCalls, index: in
 def served(world):
     """(greedy outputs without the draft, with it, the spec-decode counters of the latter's batch, vLLM's draft
     calls on one prompt)."""
-    from eagle3.capture import vllm_adapter
+    from eagle3.capture import vllm_adapter, vllm_serving
 
     prompts = _prompts(40, seed=1)[:4].tolist()  # training prompts: what the draft learned, served (module doc)
     vllm_adapter.release_all()
-    llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
+    llm = vllm_serving.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
                                            setup=eager_serving())
     try:
-        alone = [o.token_ids for o in vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=16)]
+        alone = [o.token_ids for o in vllm_serving.greedy_generate(llm, prompts, max_new_tokens=16)]
     finally:
         vllm_adapter.shutdown_engine(llm)
     with v1_model_runner():  # the hooks read the V1 runner's drafter
-        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
+        llm = vllm_serving.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=128, kv_cache_gib=KV_CACHE_GIB,
                                                speculative_dir=str(world.export), speculative_method="dflash",
                                                num_speculative_tokens=world.config.num_speculative_tokens,
                                                setup=eager_serving())
     try:
         calls = _record(llm.collective_rpc(lambda worker: worker.model_runner)[0].drafter.model)
-        vllm_adapter.greedy_generate(llm, prompts[:1], max_new_tokens=6)  # one request: its calls alone
+        vllm_serving.greedy_generate(llm, prompts[:1], max_new_tokens=6)  # one request: its calls alone
         recorded = DraftCalls(list(calls.contexts), list(calls.forwards))
-        before = vllm_adapter.spec_decode_counters(llm)
-        with_draft = [o.token_ids for o in vllm_adapter.greedy_generate(llm, prompts, max_new_tokens=16)]
-        counters = vllm_adapter.spec_decode_counters(llm).minus(before)
+        before = vllm_serving.spec_decode_counters(llm)
+        with_draft = [o.token_ids for o in vllm_serving.greedy_generate(llm, prompts, max_new_tokens=16)]
+        counters = vllm_serving.spec_decode_counters(llm).minus(before)
     finally:
         vllm_adapter.shutdown_engine(llm)
     return alone, with_draft, counters, recorded, prompts

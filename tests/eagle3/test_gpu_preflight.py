@@ -63,7 +63,7 @@ def test_target_preflight_names_the_short_gpu_and_the_settings_to_change(tmp_pat
     with pytest.raises(InsufficientGpuMemoryError, match=r"GPU 1: 10\.00 GiB free.*target\.tensor_parallel_size=2 "
                        r"\+ target\.kv_cache_gib=5"):
         target_preflight(model, 2, 5.0, nvml=BusyGpus([1024, 70 * 1024]))
-    # the served evaluation's engines (vllm_adapter.load_serving_engine) name their own KV-cache setting
+    # the served evaluation's engines (vllm_serving.load_serving_engine) name their own KV-cache setting
     with pytest.raises(InsufficientGpuMemoryError, match=r"tensor_parallel_size=2 \+ eval\.served_kv_cache_gib=5"):
         target_preflight(model, 2, 5.0, nvml=BusyGpus([1024, 70 * 1024]), kv_setting="eval.served_kv_cache_gib")
     # The engine takes the GPUs CUDA_VISIBLE_DEVICES names: only those are checked.

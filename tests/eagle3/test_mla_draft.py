@@ -12,7 +12,7 @@ same export drafts for both. Then:
   target is refused before any load, naming the setting; the Llama-style train fingerprint is unchanged.
 
 On the CPU (`make test`): float32 everywhere; on an AMX CPU the MLA backend is CPU_MLA for target and draft
-(eagle3.capture.cpu_kernels and vllm_adapter.load_serving_engine), so the same assertions hold on every x86-64 CPU.
+(eagle3.capture.cpu_kernels and vllm_serving.load_serving_engine), so the same assertions hold on every x86-64 CPU.
 On CUDA (`make test-gpu`): bfloat16, the only dtype MLA has CUDA attention backends for, each comparison within
 bfloat16's tolerance (tests/on_device.py).
 """
@@ -111,13 +111,13 @@ def test_vllms_own_mla_draft_loaded_from_our_export_computes_our_draft_logits(tr
     softmax scale) against eagle3.draft.mla on the same inputs: the first draft forward (the fc over the target's aux
     states, the whole prompt) and the second (one token per request, attending to the first's keys), within 1e-4 in
     float32, within bfloat16's tolerance on CUDA."""
-    from eagle3.capture import vllm_adapter
+    from eagle3.capture import vllm_serving
     from eagle3.draft.export import load_exported_draft
     from eagle3.draft.ttt_attention import new_ttt_cache
 
     ours, mapping = load_exported_draft(trained["export"])
     with v1_model_runner():
-        llm = vllm_adapter.load_serving_engine(str(trained["deepseek_v3"]), dtype=DTYPE, max_model_len=64,
+        llm = vllm_serving.load_serving_engine(str(trained["deepseek_v3"]), dtype=DTYPE, max_model_len=64,
                                                kv_cache_gib=KV_CACHE_GIB, speculative_dir=str(trained["export"]),
                                                num_speculative_tokens=2, setup=eager_serving())
     prompt = _prompts(seed=11, n=1, length=13)[0]

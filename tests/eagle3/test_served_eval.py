@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.artifacts import StageRecord
 from eagle3.capture.store import StoreReader
-from eagle3.capture.vllm_adapter import GreedyOutput, SpecDecodeCounters
+from eagle3.capture.vllm_serving import GreedyOutput, SpecDecodeCounters
 from eagle3.data.target import HEAD_FILE, INFO_FILE, TargetInfo
 from eagle3.evaluate.acceptance import EvalConfig
 from eagle3.draft.export import export_draft
@@ -82,7 +82,7 @@ def test_a_served_engine_asks_vllm_only_for_the_share_of_its_gpus_that_is_free(c
     engine was shut down, vLLM 0.25 kept 9.2 of an H100's 79 GiB, and the served evaluation's second engine refused
     (benchmarks/results/test-gpu-h100-2026-12-05.txt): a served engine asks for what its preflight read free on its
     fullest GPU, less 1 GiB, and says so; vLLM's default where enough is free, nothing where no GPU was read."""
-    from eagle3.capture.vllm_adapter import gpu_share_free_now
+    from eagle3.capture.vllm_serving import gpu_share_free_now
 
     assert gpu_share_free_now({"checked": False, "reason": "no NVIDIA driver"}) == {}  # the CPU build
     fresh = {"index": 0, "free_mib": 80_000, "total_mib": 81_559}
@@ -270,12 +270,12 @@ def test_a_changed_target_is_caught_not_excused_as_a_near_tie(tmp_path, monkeypa
     generator = torch.Generator().manual_seed(1)
     weights["lm_head.weight"] += 0.1 * torch.randn(weights["lm_head.weight"].shape, generator=generator)
     save_file(weights, str(changed / "model.safetensors"), metadata={"format": "pt"})
-    load = served_eval.vllm_adapter.load_serving_engine
+    load = served_eval.vllm_serving.load_serving_engine
 
     def load_changed_when_speculating(model_dir, **settings):
         return load(str(changed) if settings.get("speculative_dir") else model_dir, **settings)
 
-    monkeypatch.setattr(served_eval.vllm_adapter, "load_serving_engine", load_changed_when_speculating)
+    monkeypatch.setattr(served_eval.vllm_serving, "load_serving_engine", load_changed_when_speculating)
     pairs = ((s.input_ids.tolist(), s.loss_mask.tolist()) for s in StoreReader(world.heldout_store))
     report = served_acceptance(world.target_dir, export, heldout_prompts(pairs, max_prompts=12, max_len=200),
                                num_draft_tokens=3, max_new_tokens=24, dtype="float32", near_tie_gap=0.25,

@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from eagle3.capture.store import StoreReader
-from eagle3.capture.vllm_adapter import ServingSetup
+from eagle3.capture.vllm_serving import ServingSetup
 from eagle3.draft.export import export_draft
 from eagle3.evaluate import served_sweep as sweep_module
 from eagle3.evaluate.acceptance import EvalConfig

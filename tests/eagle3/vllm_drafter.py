@@ -23,7 +23,7 @@ def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, d
     one token the first drafted. Each call: input_ids, positions, hidden_states (what the forward read), aux (the
     target's aux states before any norm, [T, n_aux*H]), fc_input (what fc read), logits (over the target vocabulary)
     and handed_on (the hidden the forward hands the next step), each on the CPU."""
-    from eagle3.capture import vllm_adapter
+    from eagle3.capture import vllm_adapter, vllm_serving
 
     try:
         model = llm.collective_rpc(lambda worker: worker.model_runner)[0].drafter.model
@@ -45,7 +45,7 @@ def first_two_draft_forwards(llm, prompt: list[int]) -> tuple[torch.nn.Module, d
                           "logits": copy(module.compute_logits(out[0])), "handed_on": copy(out[1])})
 
         model.register_forward_hook(record, with_kwargs=True)
-        vllm_adapter.greedy_generate(llm, [prompt], max_new_tokens=2)
+        vllm_serving.greedy_generate(llm, [prompt], max_new_tokens=2)
     finally:
         vllm_adapter.shutdown_engine(llm)
     first, second = calls[0], calls[1]
@@ -59,7 +59,7 @@ def assert_vllm_computes_our_llama_draft(export) -> torch.nn.Module:  # noqa: AN
     (one row: the token the first drafted) give our module's fused hidden, handed-on hidden and logits (float32:
     within 1e-5, 1e-5 and 1e-4; else the dtype's tolerance), our module unrolled as in training with one TTT cache
     per layer. Returns vLLM's draft module for setting-specific checks."""
-    from eagle3.capture import vllm_adapter
+    from eagle3.capture import vllm_adapter, vllm_serving
     from eagle3.draft.export import load_exported_draft
     from tests.eagle3.draft_fixtures import AUX_LAYER_IDS, tiny_world
 
@@ -67,7 +67,7 @@ def assert_vllm_computes_our_llama_draft(export) -> torch.nn.Module:  # noqa: AN
     world = tiny_world()
     vllm_adapter.release_all()
     with v1_model_runner():
-        llm = vllm_adapter.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=64, kv_cache_gib=KV_CACHE_GIB,
+        llm = vllm_serving.load_serving_engine(str(world.target_dir), dtype=DTYPE, max_model_len=64, kv_cache_gib=KV_CACHE_GIB,
                                                speculative_dir=str(export), num_speculative_tokens=2, setup=eager_serving())
     prompt = torch.randint(3, 250, (13,), generator=torch.Generator().manual_seed(11)).tolist()
     theirs, first, second = first_two_draft_forwards(llm, prompt)  # prefill: 13 rows; then 1 row, the drafted token
